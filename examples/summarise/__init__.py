@@ -1,0 +1,1 @@
+"""Example batch: chunked summarisation of a small bundled corpus."""

@@ -1,0 +1,7 @@
+"""jobrunner: AI-agent batch work on a PostgreSQL lease queue."""
+
+from .errors import BadInput, JobrunnerError, LeaseLost, PermanentError
+from .task import Task
+
+__all__ = ["BadInput", "JobrunnerError", "LeaseLost", "PermanentError", "Task"]
+__version__ = "0.1.0"

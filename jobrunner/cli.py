@@ -1,0 +1,250 @@
+"""The `jobrunner` command line. Other tools depend on these names: keep them stable."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import db
+from .errors import BadInput, JobrunnerError
+from .logs import setup_logging
+from .migrate import migrate as apply_migrations
+from .queue import Queue
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Run batches of agent tasks from a PostgreSQL lease queue.")
+dead_app = typer.Typer(no_args_is_help=True, help="Inspect and requeue dead tasks.")
+app.add_typer(dead_app, name="dead")
+
+err = Console(stderr=True)
+out = Console()
+
+DsnOpt = Annotated[str | None, typer.Option(
+    "--dsn", help="PostgreSQL connection string (default: $JOBRUNNER_DATABASE_URL).",
+    show_default=False)]
+BatchOpt = Annotated[str, typer.Option("--batch", help="Batch id.")]
+
+
+def _fail(message: str, code: int) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _queue(dsn: str | None) -> Queue:
+    return Queue(db.connect(db.resolve_dsn(dsn), purpose="jobrunner-cli"))
+
+
+@app.command()
+def migrate(dsn: DsnOpt = None) -> None:
+    """Apply pending schema migrations (safe to run concurrently)."""
+    with db.connect(db.resolve_dsn(dsn), purpose="jobrunner-migrate") as conn:
+        applied = apply_migrations(conn)
+    out.print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied
+                                                       else "; schema is up to date"))
+
+
+@app.command()
+def enqueue(
+    file: Annotated[str, typer.Argument(help="JSON lines file, or - for standard input.")],
+    batch: BatchOpt,
+    tenant: Annotated[str, typer.Option("--tenant", help="Tenant id.")],
+    max_attempts: Annotated[int, typer.Option(min=1, max=1000,
+                                              help="Default attempts per task.")] = 8,
+    dsn: DsnOpt = None,
+) -> None:
+    """Enqueue tasks: one JSON object per line, {"key", "shard_key"?, "payload", "max_attempts"?}.
+
+    Idempotent: keys already in the batch are left untouched. Nothing is written if any
+    line is invalid.
+    """
+    from .validation import parse_jsonl
+
+    if file == "-":
+        tasks = parse_jsonl(sys.stdin, "stdin")
+    else:
+        try:
+            with open(file, encoding="utf-8") as handle:
+                tasks = parse_jsonl(handle, file)
+        except OSError as exc:
+            raise BadInput(f"cannot read {file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise BadInput(f"{file} is not UTF-8 text: {exc.reason}") from None
+    q = _queue(dsn)
+    result = q.enqueue(batch, tenant, tasks, max_attempts=max_attempts)
+    out.print(f"{result.new} new, {result.existing} already existed (batch {batch})")
+
+
+@app.command()
+def worker(
+    batch: BatchOpt,
+    handler: Annotated[str | None, typer.Option(help="Python handler, module:function.")] = None,
+    handler_cmd: Annotated[str | None, typer.Option(
+        "--handler-cmd", help="Shell command handler: payload on stdin; exit 0 done, 75 retry.")
+    ] = None,
+    concurrency: Annotated[int, typer.Option(min=1, max=1000,
+                                             help="Tasks run at once.")] = 1,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=1000,
+                                            help="Tasks claimed per round trip.")] = 1,
+    visibility_timeout: Annotated[float, typer.Option(
+        "--visibility-timeout", min=1, max=7 * 86400, help="Lease length in seconds.")] = 600,
+    heartbeat: Annotated[float | None, typer.Option(
+        min=0.01, help="Lease renewal interval (default: a third of the lease).")] = None,
+    backoff_base: Annotated[float, typer.Option("--backoff-base", min=0.001, max=3600,
+                                                help="Retry delay base: base * 2^attempt s.")
+                            ] = 1.0,
+    backoff_cap: Annotated[float, typer.Option("--backoff-cap", min=0.001, max=7 * 86400,
+                                               help="Longest retry delay in seconds.")] = 3600,
+    worker_id: Annotated[str | None, typer.Option(
+        "--worker-id", help="Owner name (default: $JOBRUNNER_WORKER_ID or host-pid); a "
+        "random suffix is always added.")] = None,
+    exit_when_drained: Annotated[bool, typer.Option(
+        "--exit-when-drained", help="Exit 0 once nothing is pending or leased.")] = False,
+    grace_period: Annotated[float, typer.Option("--grace-period", min=0, max=86400,
+                                                help="SIGTERM: seconds to finish tasks.")] = 30,
+    listen: Annotated[bool, typer.Option(help="LISTEN for enqueue notifications.")] = True,
+    max_tasks: Annotated[int | None, typer.Option("--max-tasks", min=1, hidden=True)] = None,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
+    dsn: DsnOpt = None,
+) -> None:
+    """Claim and run tasks of one batch until stopped (or drained)."""
+    from .handlers import make_handler
+    from .worker import WorkerConfig, default_worker_id, run_worker
+
+    setup_logging(log_level, log_format)
+    dsn_value = db.resolve_dsn(dsn)
+    config = WorkerConfig(
+        dsn=dsn_value, batch_id=batch, handler=make_handler(handler, handler_cmd),
+        worker_id=default_worker_id(worker_id), concurrency=concurrency,
+        batch_size=batch_size, visibility_timeout=visibility_timeout,
+        heartbeat_interval=heartbeat, backoff_base=backoff_base, backoff_cap=backoff_cap,
+        exit_when_drained=exit_when_drained, grace_period=grace_period, listen=listen,
+        max_tasks=max_tasks)
+    with db.connect(dsn_value, purpose="jobrunner-worker") as conn:
+        Queue(conn).batch(batch)  # unknown batch: a clear error before any thread starts
+    code = run_worker(config)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A handler thread that ignored its lost lease cannot be joined: leave without it.
+    os._exit(code)
+
+
+@app.command()
+def status(batch: BatchOpt,
+           as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")
+                              ] = False,
+           dsn: DsnOpt = None) -> None:
+    """Counts per status, oldest pending age and stuck leases of a batch."""
+    q = _queue(dsn)
+    q.batch(batch)
+    counts = q.counts(batch)
+    health = q.health(batch)
+    if as_json:
+        print(json.dumps({**counts, "total": sum(counts.values()), **health}))
+        return
+    table = Table(title=f"batch {batch}", show_header=True)
+    for name in ("pending", "leased", "done", "dead", "cancelled", "total"):
+        table.add_column(name, justify="right")
+    table.add_row(*[str(counts[s]) for s in counts], str(sum(counts.values())))
+    out.print(table)
+    oldest = health["oldest_pending_seconds"]
+    out.print(f"oldest pending: {'-' if oldest is None else f'{oldest:.1f}s'}   "
+              f"stuck leases: {health['stuck']}")
+
+
+@dead_app.command("list")
+def dead_list(batch: BatchOpt,
+              as_json: Annotated[bool, typer.Option("--json")] = False,
+              dsn: DsnOpt = None) -> None:
+    """List dead tasks with their last error."""
+    rows = _queue(dsn).list_dead(batch)
+    if as_json:
+        print(json.dumps([{**r, "finished_at": r["finished_at"] and r["finished_at"].isoformat()}
+                          for r in rows]))
+        return
+    table = Table(title=f"dead tasks in {batch}")
+    for col in ("key", "shard", "attempts", "last error"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["task_key"], r["shard_key"] or "", f"{r['attempts']}/{r['max_attempts']}",
+                      (r["last_error"] or "")[:200])
+    out.print(table)
+
+
+@dead_app.command("requeue")
+def dead_requeue(batch: BatchOpt,
+                 key: Annotated[list[str] | None, typer.Option(
+                     "--key", help="Only these task keys (repeatable).")] = None,
+                 dsn: DsnOpt = None) -> None:
+    """Send dead tasks back to pending with fresh attempts."""
+    count = _queue(dsn).requeue_dead(batch, key)
+    out.print(f"requeued {count} dead task(s) in batch {batch}")
+
+
+@app.command()
+def cancel(batch: BatchOpt, dsn: DsnOpt = None) -> None:
+    """Cancel a batch: its pending tasks become cancelled; running ones finish."""
+    count = _queue(dsn).cancel(batch)
+    out.print(f"cancelled {count} pending task(s) in batch {batch}")
+
+
+@app.command()
+def expire(dsn: DsnOpt = None) -> None:
+    """Rescue expired leases now (workers do this on their own every second)."""
+    rows = _queue(dsn).expire(limit=100000)
+    out.print(f"rescued {len(rows)} expired lease(s)")
+
+
+@app.command()
+def retention(
+    older_than_days: Annotated[float, typer.Option("--older-than-days", min=0)],
+    include_dead: Annotated[bool, typer.Option("--include-dead")] = False,
+    archive: Annotated[bool, typer.Option(
+        "--archive", help="Copy rows to agent_work_queue_archive before deleting.")] = False,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=100000)] = 1000,
+    dsn: DsnOpt = None,
+) -> None:
+    """Delete finished tasks older than N days, in small batches (keeps the hot table small)."""
+    count = _queue(dsn).retention(older_than_days * 86400, include_dead=include_dead,
+                                  archive=archive, batch_size=batch_size)
+    out.print(f"{'archived and deleted' if archive else 'deleted'} {count} finished task(s)")
+
+
+@app.command()
+def run(
+    manifest: Annotated[Path, typer.Argument(help="BatchRun manifest (YAML).")],
+    workers: Annotated[int | None, typer.Option(
+        min=1, max=256, help="Worker processes (default: spec.workers).")] = None,
+    batch: Annotated[str | None, typer.Option(
+        "--batch", help="Batch id (default: spec.batchId or local/<name>).")] = None,
+    data_dir: Annotated[Path | None, typer.Option(
+        "--data-dir", help="Embedded PostgreSQL data directory.")] = None,
+    dsn: DsnOpt = None,
+) -> None:
+    """Run a whole BatchRun locally: embedded PostgreSQL (unless --dsn), workers, progress."""
+    from .local_runner import run_local
+
+    raise typer.Exit(run_local(manifest, workers=workers, batch=batch, data_dir=data_dir,
+                               dsn=dsn or os.environ.get(db.DSN_ENV)))
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=True)
+    except BadInput as exc:
+        _fail(str(exc), 2)
+    except JobrunnerError as exc:
+        _fail(str(exc), 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Handlers: a Python callable (`module:function`, sync or async) or a shell command.
+
+Contract for Python handlers: receive a Task, return a JSON-serialisable result (stored
+on the task), raise to retry with backoff, raise PermanentError to go to dead at once.
+
+Contract for command handlers: the payload arrives as JSON on stdin, the task fields
+in JOBRUNNER_TASK_* environment variables; stdout (JSON if it parses, else text) is the
+result. Exit 0 = done, exit 75 (EX_TEMPFAIL) = retry with backoff, any other exit code
+= permanent failure (dead), killed by a signal = retry (a crash, e.g. out of memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import BadInput, LeaseLost, PermanentError
+from .task import Task
+
+EXIT_RETRY = 75
+_POLL = 0.05
+
+
+class RetryableError(Exception):
+    pass
+
+
+def load_callable(spec: str) -> Callable[[Task], Any]:
+    """Import `package.module:function`; errors say exactly what is wrong."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise BadInput(f"handler {spec!r} must look like 'package.module:function'")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise BadInput(f"handler {spec!r}: cannot import module {module_name!r}: "
+                       f"{type(exc).__name__}: {exc}") from None
+    target: Any = module
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise BadInput(f"handler {spec!r}: module {module_name!r} has no attribute "
+                           f"{attr!r}") from None
+    if not callable(target):
+        raise BadInput(f"handler {spec!r} is not callable")
+    return target
+
+
+class PythonHandler:
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.fn = load_callable(spec)
+        self.is_async = inspect.iscoroutinefunction(self.fn)
+
+    def __call__(self, task: Task) -> Any:
+        if not self.is_async:
+            return self.fn(task)
+        return asyncio.run(self._run_async(task))
+
+    async def _run_async(self, task: Task) -> Any:
+        # An async handler can really be stopped: cancel it when the lease is lost.
+        job = asyncio.ensure_future(self.fn(task))
+        while not job.done():
+            if task.lease_lost.is_set():
+                job.cancel()
+                try:
+                    await job
+                except asyncio.CancelledError:
+                    pass
+                raise LeaseLost(f"task {task.key!r}: lease lost, handler cancelled")
+            await asyncio.wait({job}, timeout=_POLL)
+        return job.result()
+
+
+class CommandHandler:
+    def __init__(self, command: str | list[str]) -> None:
+        if isinstance(command, str):
+            if not command.strip():
+                raise BadInput("--handler-cmd must not be empty")
+            self.argv = ["/bin/sh", "-c", command]
+        else:
+            if not command:
+                raise BadInput("command must not be empty")
+            self.argv = list(command)
+        self.spec = " ".join(self.argv)
+
+    def __call__(self, task: Task) -> Any:
+        env = dict(os.environ)
+        env.update({
+            "JOBRUNNER_TASK_ID": str(task.id),
+            "JOBRUNNER_TASK_KEY": task.key,
+            "JOBRUNNER_BATCH_ID": task.batch_id,
+            "JOBRUNNER_TENANT_ID": task.tenant_id,
+            "JOBRUNNER_SHARD_KEY": task.shard_key or "",
+            "JOBRUNNER_ATTEMPT": str(task.attempt),
+            "JOBRUNNER_WORKER_ID": task.worker_id,
+            "JOBRUNNER_IDEMPOTENCY_KEY": task.idempotency_key(),
+        })
+        env.pop("JOBRUNNER_DATABASE_URL", None)  # the command gets the task, not the queue
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                    env=env, start_new_session=True)
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps(task.payload).encode())
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            while proc.poll() is None:
+                if task.lease_lost.is_set():
+                    _kill_group(proc)
+                    raise LeaseLost(f"task {task.key!r}: lease lost, command killed")
+                time.sleep(_POLL)
+            out.seek(0)
+            err.seek(0)
+            stdout = out.read(1024 * 1024).decode(errors="replace")
+            stderr_tail = err.read()[-2000:].decode(errors="replace").strip()
+        code = proc.returncode
+        if code == 0:
+            try:
+                return json.loads(stdout) if stdout.strip() else None
+            except ValueError:
+                return {"stdout": stdout}
+        detail = f": {stderr_tail}" if stderr_tail else ""
+        if code == EXIT_RETRY:
+            raise RetryableError(f"command asked for a retry (exit 75){detail}")
+        if code < 0:
+            raise RetryableError(f"command killed by signal {-code}{detail}")
+        raise PermanentError(f"command failed with exit code {code}{detail}")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def make_handler(handler: str | None, handler_cmd: str | list[str] | None) -> Callable[[Task], Any]:
+    if handler and handler_cmd:
+        raise BadInput("give either a handler (module:function) or a command, not both")
+    if handler_cmd:
+        return CommandHandler(handler_cmd)
+    if handler:
+        return PythonHandler(handler)
+    raise BadInput("a handler is required: --handler MODULE:FUNC or --handler-cmd CMD")

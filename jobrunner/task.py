@@ -1,0 +1,67 @@
+"""What a handler receives: the task, its lease, and the effects helper."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .errors import LeaseLost
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from .effects import Effects
+    from .queue import Lease
+
+T = TypeVar("T")
+
+
+@dataclass
+class Task:
+    id: int
+    key: str
+    batch_id: str
+    tenant_id: str
+    shard_key: str | None
+    payload: dict[str, Any]
+    attempt: int
+    max_attempts: int
+    worker_id: str
+    lease_lost: threading.Event = field(default_factory=threading.Event)
+    _effects: Effects | None = field(default=None, repr=False)
+    _lease: Lease | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_lease(cls, lease: Lease, worker_id: str, effects: Effects | None) -> Task:
+        return cls(id=lease.id, key=lease.key, batch_id=lease.batch_id,
+                   tenant_id=lease.tenant_id, shard_key=lease.shard_key,
+                   payload=lease.payload, attempt=lease.attempt,
+                   max_attempts=lease.max_attempts, worker_id=worker_id,
+                   _effects=effects, _lease=lease)
+
+    def check_lease(self) -> None:
+        """Raise LeaseLost if the worker no longer holds this task (long handlers: call often)."""
+        if self.lease_lost.is_set():
+            raise LeaseLost(f"task {self.key!r} attempt {self.attempt}: lease lost")
+
+    def idempotency_key(self, effect_key: str = "") -> str:
+        """A key that is the same on every attempt of this task: pass it to external APIs
+        that deduplicate requests (payment, email, ticketing), so a retry after a crash
+        does not repeat their effect."""
+        base = f"jobrunner:{self.batch_id}:{self.key}"
+        return f"{base}:{effect_key}" if effect_key else base
+
+    def once(self, effect_key: str, effect: Callable[[psycopg.Connection], T]) -> T:
+        """Run a database effect at most once per (batch, task key, effect key).
+
+        `effect(conn)` runs inside a transaction on the queue's database that also
+        records the effect in the ledger and proves this worker still holds a live
+        lease. On a later attempt, the stored return value is returned instead of
+        running the effect again. See docs/guarantees.md for what this does not cover.
+        """
+        if self._effects is None or self._lease is None:
+            raise RuntimeError("this task has no effects ledger attached")
+        self.check_lease()
+        return self._effects.once(self._lease, self.worker_id, effect_key, effect)

@@ -1,0 +1,125 @@
+"""Input checks shared by the CLI, the local runner and the operator.
+
+Everything is validated before anything is written, so bad input loses nothing and
+leaves nothing half-done.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import BadInput
+
+MAX_PAYLOAD_BYTES = 1024 * 1024  # 1 MiB of JSON per task: queue rows are not blob storage
+MAX_KEY_CHARS = 512
+MAX_ID_CHARS = 256
+MAX_ATTEMPTS_LIMIT = 1000
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    key: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    shard_key: str | None = None
+    max_attempts: int | None = None
+
+
+def check_identifier(value: Any, what: str, *, max_chars: int = MAX_ID_CHARS,
+                     allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise BadInput(f"{what} must be a string, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise BadInput(f"{what} must not be empty")
+    if "\x00" in value:
+        raise BadInput(f"{what} contains a NUL byte, which PostgreSQL text cannot store")
+    if len(value) > max_chars:
+        raise BadInput(f"{what} is {len(value)} characters long; the limit is {max_chars}")
+    return value
+
+
+def check_max_attempts(value: Any, what: str = "max_attempts") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadInput(f"{what} must be an integer, got {value!r}")
+    if not 1 <= value <= MAX_ATTEMPTS_LIMIT:
+        raise BadInput(f"{what} must be between 1 and {MAX_ATTEMPTS_LIMIT}, got {value}")
+    return value
+
+
+def encode_payload(payload: Any, what: str = "payload") -> str:
+    if not isinstance(payload, dict):
+        raise BadInput(f"{what} must be a JSON object, got {json_type(payload)}")
+    try:
+        text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise BadInput(f"{what} is not JSON-serialisable: {exc}") from None
+    if "\\u0000" in text:
+        raise BadInput(f"{what} contains a NUL character (\\u0000), which jsonb cannot store")
+    size = len(text.encode())
+    if size > MAX_PAYLOAD_BYTES:
+        raise BadInput(f"{what} is {size} bytes of JSON; the limit is {MAX_PAYLOAD_BYTES} bytes")
+    return text
+
+
+def json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            int: "a number", float: "a number", type(None): "null"}.get(type(value), "a value")
+
+
+def task_from_obj(obj: Any, where: str) -> TaskSpec:
+    if not isinstance(obj, dict):
+        raise BadInput(f"{where}: a task must be a JSON object, got {json_type(obj)}")
+    unknown = set(obj) - {"key", "shard_key", "payload", "max_attempts"}
+    if unknown:
+        raise BadInput(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+    if "key" not in obj:
+        raise BadInput(f"{where}: missing required field 'key'")
+    key = check_identifier(obj["key"], f"{where}: key", max_chars=MAX_KEY_CHARS)
+    shard = obj.get("shard_key")
+    if shard is not None:
+        shard = check_identifier(shard, f"{where}: shard_key", max_chars=MAX_KEY_CHARS,
+                                 allow_empty=True) or None
+    payload = obj.get("payload", {})
+    encode_payload(payload, f"{where}: payload")
+    attempts = obj.get("max_attempts")
+    if attempts is not None:
+        attempts = check_max_attempts(attempts, f"{where}: max_attempts")
+    return TaskSpec(key=key, payload=payload, shard_key=shard, max_attempts=attempts)
+
+
+def parse_jsonl(lines: Iterable[str], source: str = "input") -> list[TaskSpec]:
+    """Parse JSON lines into task specs; any bad line rejects the whole input."""
+    tasks: list[TaskSpec] = []
+    seen: dict[str, int] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{source} line {number}"
+        try:
+            obj = json.loads(line, parse_constant=_reject_constant)
+        except json.JSONDecodeError as exc:
+            raise BadInput(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+        except ValueError as exc:
+            raise BadInput(f"{where}: {exc}") from None
+        task = task_from_obj(obj, where)
+        if task.key in seen:
+            raise BadInput(f"{where}: duplicate key {task.key!r} (first seen on line "
+                           f"{seen[task.key]})")
+        seen[task.key] = number
+        tasks.append(task)
+    return tasks
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def check_positive_seconds(value: float, what: str, *, maximum: float = 7 * 86400) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
+        raise BadInput(f"{what} must be a number")
+    if not 0 < value <= maximum:
+        raise BadInput(f"{what} must be greater than 0 and at most {maximum:g}, got {value:g}")
+    return float(value)

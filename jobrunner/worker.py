@@ -1,0 +1,457 @@
+"""The worker: claim, run outside any transaction, heartbeat, ack or fail.
+
+Read top to bottom:
+1. The main loop finishes what completed and claims more in one transaction
+   (Queue.complete_and_claim), starts handlers on a thread pool, and sleeps with
+   jitter when there is nothing to do (a NOTIFY on enqueue wakes it early).
+2. A heartbeat thread, on its own connection, renews every lease at
+   visibility_timeout/3 and rescues expired leases of dead workers. A lease it cannot
+   renew is lost: the task is told (task.lease_lost), a command handler is killed,
+   and its outcome is dropped: never acked.
+3. SIGTERM: stop claiming, let running tasks finish for a grace period, give back
+   the rest without burning an attempt, exit 0.
+
+Guarantee: at-least-once. A crash (kill -9, node loss) leaves leases that expire
+after visibility_timeout and are claimed again; see docs/guarantees.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue as stdqueue
+import random
+import secrets
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from . import db
+from .effects import Effects
+from .errors import BadInput, LeaseLost, PermanentError
+from .queue import Lease, Outcome, Queue, Timing, dumps_result
+from .task import Task
+
+log = logging.getLogger("jobrunner.worker")
+
+EXIT_OK = 0
+EXIT_WEDGED = 70  # a handler ignored the loss of its lease; the process must be replaced
+
+
+def default_worker_id(base: str | None = None) -> str:
+    """Unique per process start: a restarted pod with the same name is a new owner."""
+    base = base or os.environ.get("JOBRUNNER_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
+    return f"{base}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class WorkerConfig:
+    dsn: str
+    batch_id: str
+    handler: Callable[[Task], Any]
+    worker_id: str = field(default_factory=default_worker_id)
+    concurrency: int = 1
+    batch_size: int = 1
+    visibility_timeout: float = 600.0
+    heartbeat_interval: float | None = None  # default: visibility_timeout / 3
+    backoff_base: float = 1.0
+    backoff_cap: float = 3600.0
+    exit_when_drained: bool = False
+    idle_poll: tuple[float, float] = (0.2, 0.5)
+    expire_interval: float = 1.0
+    grace_period: float = 30.0
+    lost_lease_grace: float = 10.0
+    claim_timeout_ms: int = 5000
+    heartbeat_timeout_ms: int = 3000
+    listen: bool = True
+    max_tasks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval is None:
+            self.heartbeat_interval = self.visibility_timeout / 3
+        checks = [
+            (self.concurrency >= 1, "concurrency must be at least 1"),
+            (self.concurrency <= 1000, "concurrency must be at most 1000"),
+            (1 <= self.batch_size <= 1000, "batch size must be between 1 and 1000"),
+            (0 < self.visibility_timeout <= 7 * 86400,
+             "visibility timeout must be > 0 and at most 7 days"),
+            (0 < self.heartbeat_interval < self.visibility_timeout / 2,
+             "heartbeat interval must be > 0 and less than half the visibility timeout"),
+            (self.backoff_base > 0 and self.backoff_cap >= self.backoff_base,
+             "backoff base must be > 0 and the cap at least the base"),
+            (self.grace_period >= 0, "grace period must not be negative"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise BadInput(message)
+
+    @property
+    def timing(self) -> Timing:
+        return Timing(self.visibility_timeout, self.backoff_base, self.backoff_cap)
+
+
+@dataclass
+class _Running:
+    lease: Lease
+    task: Task
+    future: Future
+    lost_at: float | None = None
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.worker_id = config.worker_id
+        self.stopping = threading.Event()
+        self.force_stop = threading.Event()
+        self.wake = threading.Event()
+        self.running: dict[int, _Running] = {}
+        self.running_lock = threading.Lock()
+        self.finished: stdqueue.Queue[Outcome] = stdqueue.Queue()
+        self.buffer: list[Lease] = []
+        self.effects = Effects(config.dsn, max_connections=config.concurrency)
+        self.pool = ThreadPoolExecutor(max_workers=config.concurrency,
+                                       thread_name_prefix="handler")
+        self.stats = {"claimed": 0, "done": 0, "failed": 0, "lost": 0, "released": 0}
+        self._conn: psycopg.Connection | None = None
+        self._threads: list[threading.Thread] = []
+        self.wedged = False
+
+    # -- connections -----------------------------------------------------------------
+    def _queue(self) -> Queue:
+        if self._conn is None or self._conn.closed:
+            self._conn = db.connect(self.config.dsn, purpose=f"jobrunner-worker {self.worker_id}")
+        return Queue(self._conn, self.config.timing, self.config.claim_timeout_ms)
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:
+                pass
+        self._conn = None
+
+    def _with_db(self, op: Callable[[Queue], Any], what: str) -> Any:
+        """Run op, reconnecting after connection errors until it succeeds or we must stop."""
+        delay = 0.1
+        while True:
+            try:
+                return op(self._queue())
+            except (*db.RETRYABLE, db.DatabaseUnavailable) as exc:
+                self._drop_connection()
+                if self.force_stop.is_set():
+                    raise
+                log.warning("%s: database unavailable (%s); retrying in %.1fs", what,
+                            db.describe_error(exc, self.config.dsn), delay)
+                time.sleep(delay)
+                delay = min(5.0, delay * 2)
+            except psycopg.errors.QueryCanceled:
+                # statement_timeout: the claim poll was stuck; try again from a clean slate
+                log.warning("%s: statement timed out; retrying", what)
+                self._drop_connection()
+            except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+                time.sleep(random.uniform(0.01, 0.05))
+
+    # -- the main loop -----------------------------------------------------------------
+    def run(self) -> int:
+        cfg = self.config
+        log.info("worker %s: batch %s, concurrency %d, claim batch %d, visibility %.0fs, "
+                 "heartbeat %.0fs", self.worker_id, cfg.batch_id, cfg.concurrency,
+                 cfg.batch_size, cfg.visibility_timeout, cfg.heartbeat_interval)
+        self._start_thread(self._heartbeat_loop, "heartbeat")
+        if cfg.listen:
+            self._start_thread(self._listen_loop, "listen")
+        try:
+            self._loop()
+        finally:
+            self._shutdown()
+        return EXIT_WEDGED if self.wedged else EXIT_OK
+
+    def _loop(self) -> None:
+        cfg = self.config
+        while True:
+            outcomes = self._drain_finished()
+            self._check_wedged()
+            if self.force_stop.is_set():
+                return
+            stop_claiming = self.stopping.is_set() or self.wedged or self._reached_max()
+            if stop_claiming and self.buffer:
+                self._release(self.buffer)
+                self.buffer = []
+            want = 0
+            if not stop_claiming and not self.buffer and self._free_slots() > 0:
+                want = cfg.batch_size
+            claimed: list[Lease] = []
+            if outcomes or want:
+                kept, claimed = self._with_db(
+                    lambda q, o=outcomes, w=want: q.complete_and_claim(
+                        self.worker_id, o, cfg.batch_id, w), "complete/claim")
+                self._account(outcomes, kept)
+                self.buffer.extend(claimed)
+                self.stats["claimed"] += len(claimed)
+            self._start_from_buffer()
+            if stop_claiming and not self._in_flight() and self.finished.empty():
+                return
+            if claimed or not self.finished.empty():
+                continue
+            if self._in_flight():
+                self._sleep(cfg.idle_poll[1])
+                continue
+            if want and cfg.exit_when_drained and not self._batch_open():
+                log.info("worker %s: batch %s is drained; exiting", self.worker_id, cfg.batch_id)
+                return
+            self._sleep(random.uniform(*cfg.idle_poll))
+
+    def _sleep(self, seconds: float) -> None:
+        self.wake.wait(seconds)
+        self.wake.clear()
+
+    def _reached_max(self) -> bool:
+        limit = self.config.max_tasks
+        return limit is not None and self.stats["claimed"] >= limit
+
+    def _free_slots(self) -> int:
+        with self.running_lock:
+            return self.config.concurrency - len(self.running)
+
+    def _in_flight(self) -> bool:
+        with self.running_lock:
+            return bool(self.running) or bool(self.buffer)
+
+    def _batch_open(self) -> bool:
+        return self._with_db(lambda q: q.batch_open(self.config.batch_id), "drain check")
+
+    # -- running handlers --------------------------------------------------------------
+    def _start_from_buffer(self) -> None:
+        while self.buffer and self._free_slots() > 0:
+            lease = self.buffer.pop(0)
+            task = Task.from_lease(lease, self.worker_id, self.effects)
+            with self.running_lock:
+                future = self.pool.submit(self._execute, lease, task)
+                self.running[lease.id] = _Running(lease, task, future)
+
+    def _execute(self, lease: Lease, task: Task) -> None:
+        outcome = self._outcome(lease, task)
+        self.finished.put(outcome)
+        self.wake.set()
+
+    def _outcome(self, lease: Lease, task: Task) -> Outcome:
+        try:
+            result = self.config.handler(task)
+        except LeaseLost as exc:
+            return Outcome(lease, False, error=str(exc))
+        except PermanentError as exc:
+            return Outcome(lease, False, error=_describe(exc), permanent=True)
+        except BaseException as exc:
+            return Outcome(lease, False, error=_describe(exc))
+        if task.lease_lost.is_set():
+            return Outcome(lease, False, error="lease lost while the handler ran")
+        try:
+            dumps_result(result)
+        except (TypeError, ValueError) as exc:
+            # Retrying cannot fix this: the handler's code returns the wrong type.
+            return Outcome(lease, False, permanent=True,
+                           error=f"handler returned a value that is not JSON: {exc}")
+        return Outcome(lease, True, result=result)
+
+    def _drain_finished(self) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        while True:
+            try:
+                outcome = self.finished.get_nowait()
+            except stdqueue.Empty:
+                break
+            with self.running_lock:
+                entry = self.running.pop(outcome.lease.id, None)
+            if entry is not None and entry.task.lease_lost.is_set():
+                # Lost lease: the task belongs to someone else now. Never ack or fail it.
+                self.stats["lost"] += 1
+                log.warning("task %s attempt %d: lease lost; result discarded",
+                            outcome.lease.key, outcome.lease.attempt)
+                continue
+            outcomes.append(outcome)
+        return outcomes
+
+    def _account(self, outcomes: list[Outcome], kept: set[int]) -> None:
+        for outcome in outcomes:
+            if outcome.lease.id not in kept:
+                self.stats["lost"] += 1
+                log.warning("task %s attempt %d: lease was lost before it could be recorded",
+                            outcome.lease.key, outcome.lease.attempt)
+            elif outcome.ok:
+                self.stats["done"] += 1
+            else:
+                self.stats["failed"] += 1
+                log.info("task %s attempt %d failed: %s", outcome.lease.key,
+                         outcome.lease.attempt, outcome.error)
+
+    def _check_wedged(self) -> None:
+        """A sync handler cannot be killed from another thread; if it ignores the loss of
+        its lease for too long, stop this process so its supervisor replaces it."""
+        now = time.monotonic()
+        with self.running_lock:
+            entries = list(self.running.values())
+        for entry in entries:
+            if entry.task.lease_lost.is_set():
+                entry.lost_at = entry.lost_at or now
+                if now - entry.lost_at > self.config.lost_lease_grace and not self.wedged:
+                    log.error("task %s ignored the loss of its lease for %.0fs; this worker "
+                              "stops claiming and exits with code %d", entry.lease.key,
+                              self.config.lost_lease_grace, EXIT_WEDGED)
+                    self.wedged = True
+                    self.force_stop.set()
+
+    # -- heartbeats, expiry and NOTIFY ---------------------------------------------------
+    def _start_thread(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _heartbeat_loop(self) -> None:
+        cfg = self.config
+        conn: psycopg.Connection | None = None
+        next_beat = time.monotonic() + cfg.heartbeat_interval
+        next_expire = time.monotonic()
+        last_ok = time.monotonic()
+        while not self.force_stop.is_set():
+            try:
+                if conn is None or conn.closed:
+                    conn = db.connect(cfg.dsn, purpose=f"jobrunner-heartbeat {self.worker_id}",
+                                      connect_timeout=3)
+                q = Queue(conn, cfg.timing, cfg.heartbeat_timeout_ms)
+                now = time.monotonic()
+                if now >= next_beat:
+                    with self.running_lock:
+                        entries = [e for e in self.running.values()
+                                   if not e.task.lease_lost.is_set()]
+                    leases = [e.lease for e in entries] + list(self.buffer)
+                    held = q.heartbeat(self.worker_id, leases)
+                    last_ok = time.monotonic()
+                    for entry in entries:
+                        if entry.lease.id not in held:
+                            self._lose(entry, "heartbeat found the lease gone")
+                    next_beat = now + cfg.heartbeat_interval
+                if now >= next_expire:
+                    for row in q.expire():
+                        log.info("rescued expired lease of task %s -> %s", row["id"],
+                                 row["status"])
+                    next_expire = now + cfg.expire_interval * random.uniform(0.8, 1.2)
+            except Exception as exc:
+                log.warning("heartbeat: %s", db.describe_error(exc, cfg.dsn))
+                if conn is not None:
+                    try:
+                        conn.close()
+                    except Exception:
+                        pass
+                conn = None
+                next_beat = time.monotonic() + 0.5
+                # Without a successful renewal for a whole visibility timeout, someone may
+                # have rescued our leases: stop treating them as ours.
+                if time.monotonic() - last_ok > cfg.visibility_timeout:
+                    with self.running_lock:
+                        for entry in self.running.values():
+                            self._lose(entry, "no heartbeat succeeded for a whole lease")
+            self.force_stop.wait(min(0.25, cfg.heartbeat_interval))
+        if conn is not None:
+            conn.close()
+
+    def _lose(self, entry: _Running, why: str) -> None:
+        if not entry.task.lease_lost.is_set():
+            log.warning("task %s attempt %d: lease lost (%s); stopping it", entry.lease.key,
+                        entry.lease.attempt, why)
+            entry.task.lease_lost.set()
+
+    def _listen_loop(self) -> None:
+        """Wake the main loop when tasks are enqueued; polling stays the fallback (NOTIFY
+        is lost behind PgBouncer's transaction pooling and while disconnected)."""
+        while not self.force_stop.is_set() and not self.stopping.is_set():
+            try:
+                with db.connect(self.config.dsn, autocommit=True,
+                                purpose="jobrunner-listen", connect_timeout=3) as conn:
+                    conn.execute("LISTEN jobrunner_queue")
+                    while not self.stopping.is_set():
+                        for note in conn.notifies(timeout=1.0):
+                            if note.payload == self.config.batch_id:
+                                self.wake.set()
+            except Exception:
+                self.force_stop.wait(1.0)
+
+    # -- shutdown ----------------------------------------------------------------------
+    def request_stop(self, *_: Any) -> None:
+        if self.stopping.is_set():
+            log.warning("second stop signal: giving back running tasks now")
+            self.force_stop.set()
+        self.stopping.set()
+        self.wake.set()
+
+    def _release(self, leases: list[Lease]) -> None:
+        if not leases:
+            return
+        try:
+            released = self._with_db(lambda q: q.release(self.worker_id, leases), "release")
+        except Exception as exc:
+            log.warning("could not release %d task(s): %s; they return after their lease "
+                        "expires", len(leases), db.describe_error(exc, self.config.dsn))
+            return
+        self.stats["released"] += len(released)
+
+    def _shutdown(self) -> None:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.grace_period
+        while self._running_count() and time.monotonic() < deadline and not self.force_stop.is_set():
+            outcomes = self._drain_finished()
+            if outcomes:
+                kept = self._with_db(lambda q, o=outcomes: q.complete(self.worker_id, o), "ack")
+                self._account(outcomes, kept)
+            self._check_wedged()
+            self._sleep(0.1)
+        outcomes = self._drain_finished()
+        if outcomes:
+            try:
+                kept = self._with_db(lambda q: q.complete(self.worker_id, outcomes), "ack")
+                self._account(outcomes, kept)
+            except Exception:
+                pass
+        with self.running_lock:
+            leftovers = list(self.running.values())
+        for entry in leftovers:
+            entry.task.lease_lost.set()  # tells cooperative handlers and commands to stop
+        self._release([e.lease for e in leftovers if not e.lost_at] + self.buffer)
+        self.buffer = []
+        self.force_stop.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.effects.close()
+        self._drop_connection()
+        log.info("worker %s stopped: %s", self.worker_id, self.stats)
+
+    def _running_count(self) -> int:
+        with self.running_lock:
+            return len(self.running)
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    tb = traceback.extract_tb(exc.__traceback__)
+    if tb:
+        frame = tb[-1]
+        text += f" (at {os.path.basename(frame.filename)}:{frame.lineno})"
+    return text[:4000]
+
+
+def install_signal_handlers(worker: Worker) -> None:
+    signal.signal(signal.SIGTERM, worker.request_stop)
+    signal.signal(signal.SIGINT, worker.request_stop)
+
+
+def run_worker(config: WorkerConfig) -> int:
+    worker = Worker(config)
+    install_signal_handlers(worker)
+    return worker.run()

@@ -1,0 +1,299 @@
+-- Named queries: one per state transition. The Python layer (jobrunner/queue.py) is
+-- a thin typed wrapper around these. Parameters use psycopg's %(name)s style; every
+-- value is sent as a bound parameter, never formatted into the text.
+-- Time always comes from the database's now(), never from a worker's clock.
+
+-- name: ensure_batch
+-- Records the batch (idempotent). Returns the tenant it was first created with.
+INSERT INTO agent_batch (batch_id, tenant_id) VALUES (%(batch_id)s, %(tenant_id)s)
+ON CONFLICT (batch_id) DO UPDATE SET batch_id = EXCLUDED.batch_id
+RETURNING tenant_id, cancelled_at;
+
+-- name: enqueue_stage_table
+CREATE TEMP TABLE jobrunner_enqueue_stage (
+    task_key text NOT NULL, shard_key text, payload jsonb NOT NULL, max_attempts int NOT NULL
+) ON COMMIT DROP;
+
+-- name: enqueue_from_stage
+-- Idempotent on (batch_id, task_key): rows that already exist are left untouched.
+WITH inserted AS (
+    INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, shard_key, payload, max_attempts)
+    SELECT %(batch_id)s, %(tenant_id)s, s.task_key, s.shard_key, s.payload, s.max_attempts
+    FROM jobrunner_enqueue_stage s
+    ORDER BY s.task_key
+    ON CONFLICT (batch_id, task_key) DO NOTHING
+    RETURNING 1
+)
+SELECT count(*) AS new FROM inserted;
+
+-- name: notify_batch
+SELECT pg_notify('jobrunner_queue', %(batch_id)s);
+
+-- name: claim
+-- One statement: pick ready rows with FOR UPDATE SKIP LOCKED (rows other claimers
+-- hold are skipped, never waited on), take the shard lease of at most one task per
+-- shard (the primary key of agent_shard_lease serialises concurrent claimers of the
+-- same shard: the loser's INSERT sees the conflict and the task is simply not
+-- chosen), then mark the chosen rows leased. The CTE form matters: an
+-- `UPDATE ... WHERE id IN (SELECT ... LIMIT n)` may be re-evaluated by the planner and
+-- claim more than n rows. The NOT EXISTS is only a pre-filter that keeps rows of busy
+-- shards out of the LIMIT; correctness comes from the INSERT.
+WITH candidates AS (
+    SELECT q.id, q.tenant_id, coalesce(q.shard_key, '') AS shard_key
+    FROM agent_work_queue q
+    WHERE q.batch_id = %(batch_id)s
+      AND q.status = 'pending'
+      AND q.run_after <= now()
+      AND NOT EXISTS (
+          SELECT 1 FROM agent_shard_lease s
+          WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
+    ORDER BY q.run_after, q.id
+    LIMIT %(limit)s
+    FOR UPDATE OF q SKIP LOCKED
+),
+one_per_shard AS (
+    SELECT DISTINCT ON (tenant_id, shard_key) id, tenant_id, shard_key
+    FROM candidates
+    WHERE shard_key <> ''
+    ORDER BY tenant_id, shard_key, id
+),
+shard_leases AS (
+    -- Inserted in key order so that two claimers never wait on each other in a cycle.
+    INSERT INTO agent_shard_lease (tenant_id, shard_key, task_id, lease_owner)
+    SELECT tenant_id, shard_key, id, %(worker_id)s FROM one_per_shard
+    ORDER BY tenant_id, shard_key
+    ON CONFLICT DO NOTHING
+    RETURNING task_id
+),
+chosen AS (
+    SELECT id FROM candidates WHERE shard_key = ''
+    UNION ALL
+    SELECT task_id FROM shard_leases
+)
+UPDATE agent_work_queue q
+SET status = 'leased',
+    lease_owner = %(worker_id)s,
+    locked_until = now() + make_interval(secs => %(visibility_timeout)s),
+    attempts = q.attempts + 1,
+    updated_at = now()
+FROM chosen
+WHERE q.id = chosen.id
+RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
+          q.attempts, q.max_attempts, q.locked_until;
+
+-- name: heartbeat
+-- Renews every lease this worker still holds. A lease missing from the result is lost
+-- (expired and rescued, or re-claimed): the worker must stop that task.
+UPDATE agent_work_queue q
+SET locked_until = now() + make_interval(secs => %(visibility_timeout)s),
+    updated_at = now()
+FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS t(id, attempt)
+WHERE q.id = t.id
+  AND q.attempts = t.attempt
+  AND q.lease_owner = %(worker_id)s
+  AND q.status = 'leased'
+RETURNING q.id;
+
+-- name: ack
+-- Fenced on (id, lease_owner, attempt): a worker whose lease was lost gets no row
+-- back and changes nothing, so it can never overwrite a newer attempt.
+WITH acked AS (
+    UPDATE agent_work_queue q
+    SET status = 'done',
+        result = t.result,
+        finished_at = now(),
+        locked_until = NULL,
+        updated_at = now()
+    FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::jsonb[])
+         AS t(id, attempt, result)
+    WHERE q.id = t.id
+      AND q.attempts = t.attempt
+      AND q.lease_owner = %(worker_id)s
+      AND q.status = 'leased'
+    RETURNING q.id
+),
+released AS (
+    DELETE FROM agent_shard_lease s USING acked WHERE s.task_id = acked.id
+)
+SELECT id FROM acked;
+
+-- name: fail
+-- Retryable failure: back to pending after min(cap, base * 2^attempts) seconds with up
+-- to 25 %% jitter. Permanent failure, or attempts used up: dead.
+WITH failed AS (
+    UPDATE agent_work_queue q
+    SET status = CASE WHEN %(permanent)s OR q.attempts >= q.max_attempts
+                      THEN 'dead' ELSE 'pending' END,
+        run_after = CASE WHEN %(permanent)s OR q.attempts >= q.max_attempts
+                         THEN q.run_after
+                         ELSE now() + make_interval(secs => least(
+                             %(backoff_cap)s::float8,
+                             %(backoff_base)s::float8 * power(2, q.attempts)
+                                 * (1 + 0.25 * random())))
+                    END,
+        finished_at = CASE WHEN %(permanent)s OR q.attempts >= q.max_attempts
+                           THEN now() END,
+        last_error = %(error)s,
+        locked_until = NULL,
+        updated_at = now()
+    WHERE q.id = %(id)s
+      AND q.attempts = %(attempt)s
+      AND q.lease_owner = %(worker_id)s
+      AND q.status = 'leased'
+    RETURNING q.id, q.status, q.run_after
+),
+released AS (
+    DELETE FROM agent_shard_lease s USING failed WHERE s.task_id = failed.id
+)
+SELECT id, status, run_after FROM failed;
+
+-- name: release
+-- Graceful shutdown: give the task back without burning an attempt.
+WITH released_tasks AS (
+    UPDATE agent_work_queue q
+    SET status = 'pending',
+        attempts = q.attempts - 1,
+        run_after = now(),
+        locked_until = NULL,
+        lease_owner = NULL,
+        updated_at = now()
+    FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS t(id, attempt)
+    WHERE q.id = t.id
+      AND q.attempts = t.attempt
+      AND q.lease_owner = %(worker_id)s
+      AND q.status = 'leased'
+    RETURNING q.id
+),
+released AS (
+    DELETE FROM agent_shard_lease s USING released_tasks r WHERE s.task_id = r.id
+)
+SELECT id FROM released_tasks;
+
+-- name: expire
+-- Rescue leases whose holder stopped heartbeating: back to pending, or dead when the
+-- attempts are used up. Rows locked by a concurrent transaction (a worker applying an
+-- effect under its lease, another expirer) are skipped and retried on the next tick.
+WITH expired AS (
+    SELECT id FROM agent_work_queue
+    WHERE status = 'leased' AND locked_until < now()
+    ORDER BY locked_until
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+),
+moved AS (
+    UPDATE agent_work_queue q
+    SET status = CASE WHEN q.attempts >= q.max_attempts THEN 'dead' ELSE 'pending' END,
+        run_after = now(),
+        finished_at = CASE WHEN q.attempts >= q.max_attempts THEN now() END,
+        last_error = 'lease expired: ' || coalesce(q.lease_owner, '?')
+                     || ' did not heartbeat or finish attempt ' || q.attempts
+                     || ' before ' || q.locked_until,
+        locked_until = NULL,
+        updated_at = now()
+    FROM expired
+    WHERE q.id = expired.id
+    RETURNING q.id, q.batch_id, q.status
+),
+released AS (
+    DELETE FROM agent_shard_lease s USING moved WHERE s.task_id = moved.id
+)
+SELECT id, batch_id, status FROM moved;
+
+-- name: cancel_batch
+WITH batch AS (
+    UPDATE agent_batch SET cancelled_at = coalesce(cancelled_at, now())
+    WHERE batch_id = %(batch_id)s
+)
+UPDATE agent_work_queue
+SET status = 'cancelled', finished_at = now(), updated_at = now()
+WHERE batch_id = %(batch_id)s AND status = 'pending';
+
+-- name: requeue_dead
+UPDATE agent_work_queue
+SET status = 'pending', attempts = 0, run_after = now(), finished_at = NULL,
+    locked_until = NULL, updated_at = now()
+WHERE batch_id = %(batch_id)s AND status = 'dead'
+  AND (%(task_keys)s::text[] IS NULL OR task_key = ANY(%(task_keys)s::text[]));
+
+-- name: list_dead
+SELECT id, task_key, tenant_id, shard_key, attempts, max_attempts, last_error, finished_at
+FROM agent_work_queue
+WHERE batch_id = %(batch_id)s AND status = 'dead'
+ORDER BY id
+LIMIT %(limit)s;
+
+-- name: get_batch
+SELECT batch_id, tenant_id, created_at, cancelled_at FROM agent_batch WHERE batch_id = %(batch_id)s;
+
+-- name: counts
+-- One aggregate per batch (an index-only scan of (batch_id, status)) plus the
+-- few extra figures status reports; cheap enough for the controller's refresh timer.
+SELECT
+    count(*) FILTER (WHERE status = 'pending')   AS pending,
+    count(*) FILTER (WHERE status = 'leased')    AS leased,
+    count(*) FILTER (WHERE status = 'done')      AS done,
+    count(*) FILTER (WHERE status = 'dead')      AS dead,
+    count(*) FILTER (WHERE status = 'cancelled') AS cancelled
+FROM agent_work_queue
+WHERE batch_id = %(batch_id)s;
+
+-- name: batch_health
+-- stuck: leased past the deadline and not rescued (should always be 0 while any
+-- worker runs: worth an alert). ready: pending and due now.
+SELECT
+    (SELECT count(*) FROM agent_work_queue
+      WHERE batch_id = %(batch_id)s AND status = 'leased' AND locked_until < now()) AS stuck,
+    (SELECT count(*) FROM agent_work_queue
+      WHERE batch_id = %(batch_id)s AND status = 'pending' AND run_after <= now()) AS ready,
+    (SELECT extract(epoch FROM now() - min(created_at)) FROM agent_work_queue
+      WHERE batch_id = %(batch_id)s AND status = 'pending') AS oldest_pending_seconds,
+    (SELECT extract(epoch FROM min(run_after) - now()) FROM agent_work_queue
+      WHERE batch_id = %(batch_id)s AND status = 'pending') AS next_run_in_seconds;
+
+-- name: effect_fence
+-- Inside the effect's transaction: proves the lease is still ours and live, and holds
+-- a share lock on the row until commit so the expirer cannot take it meanwhile.
+SELECT 1 FROM agent_work_queue
+WHERE id = %(id)s AND attempts = %(attempt)s AND lease_owner = %(worker_id)s
+  AND status = 'leased' AND locked_until > now()
+FOR SHARE;
+
+-- name: effect_record
+INSERT INTO agent_task_effect (batch_id, task_key, effect_key, task_id, attempt, lease_owner)
+VALUES (%(batch_id)s, %(task_key)s, %(effect_key)s, %(id)s, %(attempt)s, %(worker_id)s)
+ON CONFLICT DO NOTHING
+RETURNING 1;
+
+-- name: effect_lookup
+SELECT result FROM agent_task_effect
+WHERE batch_id = %(batch_id)s AND task_key = %(task_key)s AND effect_key = %(effect_key)s;
+
+-- name: effect_set_result
+UPDATE agent_task_effect SET result = %(result)s
+WHERE batch_id = %(batch_id)s AND task_key = %(task_key)s AND effect_key = %(effect_key)s;
+
+-- name: retention_delete
+-- Deletes finished rows in small batches so the hot table stays small; a batch is
+-- skipped if its rows are locked. Dead rows are kept unless asked for.
+WITH old AS (
+    SELECT id FROM agent_work_queue
+    WHERE status = ANY(%(statuses)s::text[])
+      AND finished_at < now() - make_interval(secs => %(older_than_seconds)s)
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+),
+archived AS (
+    INSERT INTO agent_work_queue_archive
+    SELECT q.* FROM agent_work_queue q JOIN old USING (id)
+    WHERE %(archive)s
+)
+DELETE FROM agent_work_queue q USING old WHERE q.id = old.id
+RETURNING q.id;
+
+-- name: batch_open
+-- True while the batch has work that is not finished: pending (due now or later) or leased.
+SELECT EXISTS (
+    SELECT 1 FROM agent_work_queue
+    WHERE batch_id = %(batch_id)s AND status IN ('pending', 'leased')
+) AS open;

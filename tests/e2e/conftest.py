@@ -1,0 +1,74 @@
+"""pytest wiring for the e2e tests: the ``e2e`` marker and the session-scoped ``k8s`` fixture.
+
+``k8s`` is a :class:`tests.e2e.harness.cluster.Cluster` (see tests/e2e/README.md):
+``kubeconfig``, ``kubectl(*args, check=True, input=None)``, ``helm(*args)``,
+``api_client()``, ``kubelet`` (``kill_pod``, ``pod_log``, ``pod_pids``),
+``restart_apiserver()``, ``stop_apiserver()``/``start_apiserver()``, ``bin_dir``, ``env``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from .harness import build
+
+_HERE = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "e2e: end-to-end test against a real kube-apiserver/controller-manager (tests/e2e)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        try:
+            p = Path(str(item.fspath)).resolve()
+        except Exception:
+            continue
+        if _HERE in p.parents:
+            item.add_marker(pytest.mark.e2e)
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def ensure_bin_dir() -> Path:
+    """Binaries, built on demand; skip (or fail under CI=true) when they cannot be had."""
+    if not build.binaries_present() and not build.go_available():
+        msg = ("e2e binaries are not built and `go` is not installed "
+               "(run `python -m tests.e2e.harness.build` on a machine with Go)")
+        if _in_ci():
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg)
+    return build.ensure_binaries()
+
+
+@pytest.fixture(scope="session")
+def k8s():
+    from .harness.cluster import Cluster
+
+    bin_dir = ensure_bin_dir()
+    cluster = Cluster(bin_dir)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def namespace(k8s):
+    """A fresh namespace, deleted (without waiting) after the test."""
+    name = "t-" + uuid.uuid4().hex[:8]
+    k8s.kubectl("create", "namespace", name)
+    # the service-account controller creates "default" asynchronously; pods need it
+    k8s.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
+    yield name
+    k8s.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -1,0 +1,291 @@
+"""Build (or reuse) the Kubernetes control-plane binaries used by the e2e tests.
+
+Everything is compiled from Go modules fetched through the Go module proxy with
+the machine's ``go``; no release binaries are downloaded.
+
+    python -m tests.e2e.harness.build          # builds if needed, prints the bin dir
+    python -m tests.e2e.harness.build --force  # rebuild even if cached
+
+Binaries land in ``$JOBRUNNER_E2E_CACHE`` (default ``~/.cache/jobrunner-e2e``):
+
+    k8s-<K8S_VERSION>/bin/{kube-apiserver,kube-controller-manager,kubectl,etcd}
+    helm-<HELM_VERSION>/bin/helm
+    bin-k8s-<K8S_VERSION>-helm-<HELM_VERSION>/   (symlinks to all of the above; printed)
+
+Versions are pinned here and only here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# ---- the one place where versions are pinned ---------------------------------
+K8S_VERSION = "v1.37.2"  # newest k8s.io/kubernetes that builds with Go 1.26
+HELM_VERSION = "v4.3.2"  # helm.sh/helm/v4 (built against k8s.io/* v0.37.2)
+# etcd is go.etcd.io/etcd/server/v3 at the version k8s.io/kubernetes itself requires.
+# -------------------------------------------------------------------------------
+
+K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kubectl", "etcd")
+HELM_BINARIES = ("helm",)
+ALL_BINARIES = K8S_BINARIES + HELM_BINARIES
+
+_STAMP = ".complete"
+
+
+def cache_root() -> Path:
+    root = os.environ.get("JOBRUNNER_E2E_CACHE")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "jobrunner-e2e"
+
+
+def k8s_dir() -> Path:
+    return cache_root() / f"k8s-{K8S_VERSION}"
+
+
+def helm_dir() -> Path:
+    return cache_root() / f"helm-{HELM_VERSION}"
+
+
+def bin_dir() -> Path:
+    """The directory holding (symlinks to) every binary the harness uses."""
+    return cache_root() / f"bin-k8s-{K8S_VERSION}-helm-{HELM_VERSION}"
+
+
+def _complete(d: Path, names) -> bool:
+    return (d / _STAMP).exists() and all(os.access(d / "bin" / n, os.X_OK) for n in names)
+
+
+def binaries_present() -> bool:
+    b = bin_dir()
+    return all(os.access(b / n, os.X_OK) for n in ALL_BINARIES)
+
+
+def go_available() -> bool:
+    return shutil.which("go") is not None
+
+
+def _log(msg: str) -> None:
+    print(f"[e2e-build] {msg}", file=sys.stderr, flush=True)
+
+
+def _go_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("GOTOOLCHAIN", "local")
+    env["GOFLAGS"] = "-mod=mod -buildvcs=false"
+    env["CGO_ENABLED"] = "0"
+    return env
+
+
+def _run(cmd, cwd: Path, capture: bool = False) -> str:
+    _log("$ " + " ".join(str(c) for c in cmd) + f"   (in {cwd})")
+    res = subprocess.run(
+        [str(c) for c in cmd],
+        cwd=str(cwd),
+        env=_go_env(),
+        check=False,
+        stdout=subprocess.PIPE if capture else None,
+        text=True,
+    )
+    if res.returncode != 0:
+        raise SystemExit(f"command failed ({res.returncode}): {' '.join(map(str, cmd))}")
+    return res.stdout if capture else ""
+
+
+def _mod_download(module: str, cwd: Path) -> dict:
+    out = _run(["go", "mod", "download", "-json", module], cwd, capture=True)
+    return json.loads(out)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def build_k8s(force: bool = False) -> Path:
+    d = k8s_dir()
+    if not force and _complete(d, K8S_BINARIES):
+        return d / "bin"
+    t0 = time.monotonic()
+    src = d / "src"
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir(parents=True)
+    # A throw-away module so that `go mod download` has somewhere to run.
+    _write(src / "go.mod", "module jobrunner.test/k8sbuild\n\ngo 1.26.0\n")
+    info = _mod_download(f"k8s.io/kubernetes@{K8S_VERSION}", src)
+    upstream_mod = Path(info["GoMod"]).read_text()
+    commit = (info.get("Origin") or {}).get("Hash", "")
+    # The upstream go.mod replaces each staging module by a directory that is not
+    # part of the module zip; map each to its published v0.X.Y twin instead.
+    staging_version = "v0." + K8S_VERSION[len("v1."):]
+    staging = sorted(set(re.findall(r"^\s*(k8s\.io/[\w.\-/]+)\s*=>\s*\./staging/", upstream_mod, re.M)))
+    if not staging:
+        raise SystemExit("could not find staging replace directives in k8s.io/kubernetes go.mod")
+    etcd_ver = re.search(r"^\s*go\.etcd\.io/etcd/server/v3\s+(v\S+)", upstream_mod, re.M)
+    if not etcd_ver:
+        raise SystemExit("could not find go.etcd.io/etcd/server/v3 in k8s.io/kubernetes go.mod")
+    etcd_version = etcd_ver.group(1)
+    replaces = "\n".join(f"\t{m} => {m} {staging_version}" for m in staging)
+    _write(
+        src / "go.mod",
+        f"""module jobrunner.test/k8sbuild
+
+go 1.26.0
+
+godebug default=go1.26
+
+require (
+\tk8s.io/kubernetes {K8S_VERSION}
+\tgo.etcd.io/etcd/server/v3 {etcd_version}
+)
+
+replace (
+{replaces}
+)
+""",
+    )
+    # etcd's own main package lives in a module whose replace directives point at
+    # sibling directories too; its main() is a one-liner around etcdmain.Main.
+    _write(
+        src / "etcd" / "main.go",
+        """package main
+
+import (
+\t"os"
+
+\t"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+""",
+    )
+    _write(
+        src / "tools.go",
+        """//go:build tools
+
+package tools
+
+import (
+\t_ "k8s.io/kubernetes/cmd/kube-apiserver"
+\t_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+\t_ "k8s.io/kubernetes/cmd/kubectl"
+)
+""",
+    )
+    _run(["go", "mod", "tidy"], src)
+    # Make the binaries report the right version (kubectl version skew checks).
+    major, minor = K8S_VERSION[1:].split(".")[:2]
+    build_date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    xs = {
+        "gitVersion": K8S_VERSION,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitCommit": commit,
+        "gitTreeState": "clean",
+        "buildDate": build_date,
+    }
+    ldflags = ["-s", "-w"]
+    for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+        for k, v in xs.items():
+            ldflags.append(f"-X={pkg}.{k}={v}")
+    out = d / "bin"
+    out.mkdir(parents=True, exist_ok=True)
+    (d / _STAMP).unlink(missing_ok=True)
+    _run(
+        [
+            "go", "build", "-trimpath", "-ldflags=" + " ".join(ldflags), "-o", str(out) + "/",
+            "k8s.io/kubernetes/cmd/kube-apiserver",
+            "k8s.io/kubernetes/cmd/kube-controller-manager",
+            "k8s.io/kubernetes/cmd/kubectl",
+            "./etcd",
+        ],
+        src,
+    )
+    secs = time.monotonic() - t0
+    _write(d / _STAMP, json.dumps({"k8s": K8S_VERSION, "etcd": etcd_version, "commit": commit,
+                                   "seconds": round(secs, 1), "built": build_date}) + "\n")
+    _log(f"kubernetes {K8S_VERSION} (+etcd {etcd_version}) built in {secs:.0f}s")
+    return out
+
+
+def build_helm(force: bool = False) -> Path:
+    d = helm_dir()
+    if not force and _complete(d, HELM_BINARIES):
+        return d / "bin"
+    t0 = time.monotonic()
+    major = HELM_VERSION.split(".")[0]  # v3 / v4
+    mod = f"helm.sh/helm/{major}"
+    src = d / "src"
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir(parents=True)
+    _write(
+        src / "go.mod",
+        f"module jobrunner.test/helmbuild\n\ngo 1.26.0\n\nrequire {mod} {HELM_VERSION}\n",
+    )
+    _write(src / "tools.go", f'//go:build tools\n\npackage tools\n\nimport _ "{mod}/cmd/helm"\n')
+    _run(["go", "mod", "tidy"], src)
+    info = _mod_download(f"{mod}@{HELM_VERSION}", src)
+    commit = (info.get("Origin") or {}).get("Hash", "")
+    ldflags = ["-s", "-w",
+               f"-X={mod}/internal/version.version={HELM_VERSION}",
+               f"-X={mod}/internal/version.gitCommit={commit}",
+               "-X=" + mod + "/internal/version.gitTreeState=clean"]
+    out = d / "bin"
+    out.mkdir(parents=True, exist_ok=True)
+    (d / _STAMP).unlink(missing_ok=True)
+    _run(["go", "build", "-trimpath", "-ldflags=" + " ".join(ldflags), "-o", str(out) + "/",
+          f"{mod}/cmd/helm"], src)
+    secs = time.monotonic() - t0
+    _write(d / _STAMP, json.dumps({"helm": HELM_VERSION, "commit": commit, "seconds": round(secs, 1)}) + "\n")
+    _log(f"helm {HELM_VERSION} built in {secs:.0f}s")
+    return out
+
+
+def ensure_binaries(force: bool = False) -> Path:
+    """Build whatever is missing and return the combined bin dir."""
+    t0 = time.monotonic()
+    kb = build_k8s(force)
+    hb = build_helm(force)
+    b = bin_dir()
+    b.mkdir(parents=True, exist_ok=True)
+    for src_dir, names in ((kb, K8S_BINARIES), (hb, HELM_BINARIES)):
+        for n in names:
+            link = b / n
+            if link.is_symlink() or link.exists():
+                if link.resolve() == (src_dir / n).resolve():
+                    continue
+                link.unlink()
+            link.symlink_to(src_dir / n)
+    _log(f"binaries ready in {time.monotonic() - t0:.1f}s")
+    return b
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--force", action="store_true", help="rebuild even if cached binaries exist")
+    p.add_argument("--print-versions", action="store_true", help="print pinned versions and exit")
+    a = p.parse_args(argv)
+    if a.print_versions:
+        print(f"kubernetes {K8S_VERSION}\nhelm {HELM_VERSION}")
+        return 0
+    if not go_available() and not binaries_present():
+        print("go is not installed and the e2e binaries are not cached", file=sys.stderr)
+        return 2
+    print(ensure_binaries(force=a.force))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
