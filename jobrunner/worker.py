@@ -180,9 +180,15 @@ class Worker:
         while True:
             outcomes = self._drain_finished()
             self._check_wedged()
-            if self.force_stop.is_set():
+            if self.force_stop.is_set() or self.stopping.is_set() or self.wedged:
+                # Acks of what finished are flushed, then _shutdown gives the running
+                # tasks their grace period.
+                if outcomes:
+                    kept = self._with_db(lambda q, o=outcomes: q.complete(self.worker_id, o),
+                                         "ack")
+                    self._account(outcomes, kept)
                 return
-            stop_claiming = self.stopping.is_set() or self.wedged or self._reached_max()
+            stop_claiming = self._reached_max()
             if stop_claiming and self.buffer:
                 self._release(self.buffer)
                 self.buffer = []

@@ -1,0 +1,147 @@
+"""Shared fixtures: a real PostgreSQL (embedded by default, JOBRUNNER_TEST_DSN for another
+server), a fresh migrated database per test, and helpers to run the CLI and workers as
+real processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import dict_row
+
+from jobrunner.embedded import EmbeddedPostgres
+from jobrunner.migrate import migrate
+from jobrunner.queue import Queue
+from tests.support.handlers import EXEC_LOG_DDL
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATE_DB = "jobrunner_test_template"
+
+
+def _with_db(dsn: str, dbname: str) -> str:
+    params = conninfo_to_dict(dsn)
+    params["dbname"] = dbname
+    return make_conninfo(**params)
+
+
+@pytest.fixture(scope="session")
+def pg_admin_dsn() -> Iterator[str]:
+    external = os.environ.get("JOBRUNNER_TEST_DSN")
+    if external:
+        yield external
+        return
+    root = Path(tempfile.mkdtemp(prefix="jobrunner-test-pg-"))
+    server = EmbeddedPostgres(root)
+    dsn = server.start()
+    try:
+        yield dsn
+    finally:
+        server.destroy()
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_admin_dsn: str) -> str:
+    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE_DB}")
+        conn.execute(f"CREATE DATABASE {TEMPLATE_DB}")
+    with psycopg.connect(_with_db(pg_admin_dsn, TEMPLATE_DB)) as conn:
+        migrate(conn)
+        conn.execute(EXEC_LOG_DDL)
+    return TEMPLATE_DB
+
+
+@pytest.fixture
+def dsn(pg_admin_dsn: str, template_db: str) -> Iterator[str]:
+    """A fresh, migrated database for one test."""
+    name = f"jr_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
+    yield _with_db(pg_admin_dsn, name)
+    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def empty_dsn(pg_admin_dsn: str) -> Iterator[str]:
+    """A fresh database without the schema."""
+    name = f"jr_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    yield _with_db(pg_admin_dsn, name)
+    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def conn(dsn: str) -> Iterator[psycopg.Connection]:
+    with psycopg.connect(dsn, row_factory=dict_row) as c:
+        yield c
+
+
+@pytest.fixture
+def queue(conn: psycopg.Connection) -> Queue:
+    return Queue(conn)
+
+
+@pytest.fixture
+def own_server() -> Iterator[EmbeddedPostgres]:
+    """A private embedded server a test may stop and restart."""
+    if os.environ.get("JOBRUNNER_TEST_DSN"):
+        pytest.skip("restart tests need the embedded server (JOBRUNNER_TEST_DSN is set)")
+    root = Path(tempfile.mkdtemp(prefix="jobrunner-own-pg-"))
+    server = EmbeddedPostgres(root)
+    server.start()
+    with psycopg.connect(server.dsn()) as c:
+        migrate(c)
+    try:
+        yield server
+    finally:
+        server.destroy()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def child_env(dsn: str | None = None, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    if dsn:
+        env["JOBRUNNER_DATABASE_URL"] = dsn
+    env.update(extra)
+    return env
+
+
+def cli(*args: str, dsn: str | None = None, input: str | None = None, check: bool = False,
+        timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m jobrunner ARGS` as a real process."""
+    return subprocess.run([sys.executable, "-m", "jobrunner", *args], input=input, text=True,
+                          capture_output=True, env=env or child_env(dsn), cwd=REPO,
+                          timeout=timeout, check=check)
+
+
+def start_worker(dsn: str, batch: str, handler: str, *extra: str, log: Path | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    args = [sys.executable, "-m", "jobrunner", "worker", "--batch", batch, "--handler", handler,
+            "--log-level", "info", *extra]
+    stream = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen(args, env=env or child_env(dsn), cwd=REPO, stdout=stream,
+                            stderr=stream, start_new_session=True)
+
+
+def wait_for(predicate, timeout: float = 60, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

@@ -1,0 +1,124 @@
+"""Handlers used by the tests. Each records its executions in the test database
+(exec_log) through its own connection, so tests can count runs and check overlaps."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import psycopg
+
+from jobrunner import LeaseLost, PermanentError, Task
+
+EXEC_LOG_DDL = """
+CREATE TABLE IF NOT EXISTS exec_log (
+    task_id bigint, task_key text, shard_key text, attempt int, worker text,
+    started_at timestamptz, ended_at timestamptz);
+CREATE TABLE IF NOT EXISTS effect_out (task_key text, attempt int, worker text);
+"""
+
+
+def _db() -> psycopg.Connection:
+    return psycopg.connect(os.environ["JOBRUNNER_DATABASE_URL"], autocommit=True)
+
+
+def _run_logged(task: Task, body) -> object:
+    with _db() as conn:
+        row = conn.execute(
+            "INSERT INTO exec_log (task_id, task_key, shard_key, attempt, worker, started_at)"
+            " VALUES (%s, %s, %s, %s, %s, clock_timestamp()) RETURNING ctid::text",
+            (task.id, task.key, task.shard_key, task.attempt, task.worker_id)).fetchone()
+        result = body()
+        conn.execute("UPDATE exec_log SET ended_at = clock_timestamp() WHERE ctid = %s::tid",
+                     (row[0],))
+    return result
+
+
+def _sleep(task: Task, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        task.check_lease()
+        time.sleep(0.02)
+
+
+def record(task: Task) -> dict:
+    """Logs the execution; sleeps payload.sleep seconds (cooperatively)."""
+    return _run_logged(task, lambda: (_sleep(task, float(task.payload.get("sleep", 0))),
+                                      {"key": task.key})[1])
+
+
+def noop(task: Task) -> None:
+    return None
+
+
+def poison_or_record(task: Task) -> dict:
+    if task.payload.get("poison"):
+        raise PermanentError(f"poison task {task.key}")
+    return record(task)
+
+
+def flaky(task: Task) -> dict:
+    """Fails (retryable) until payload.succeed_on attempt."""
+    if task.attempt < int(task.payload.get("succeed_on", 2)):
+        raise RuntimeError(f"transient failure on attempt {task.attempt}")
+    return record(task)
+
+
+def always_fails(task: Task) -> None:
+    raise RuntimeError("this handler always fails")
+
+
+def with_effect(task: Task) -> dict:
+    """Applies one effect through the ledger, then sleeps payload.sleep, logging raw runs."""
+
+    def effect(conn: psycopg.Connection) -> dict:
+        conn.execute("INSERT INTO effect_out VALUES (%s, %s, %s)",
+                     (task.key, task.attempt, task.worker_id))
+        return {"applied_by": task.worker_id}
+
+    def body() -> dict:
+        _sleep(task, float(task.payload.get("sleep_before", 0)))
+        applied = task.once("write", effect)
+        _sleep(task, float(task.payload.get("sleep", 0)))
+        return applied
+
+    return _run_logged(task, body)
+
+
+def ignores_lease(task: Task) -> dict:
+    """Sleeps without ever checking its lease (a badly behaved sync handler)."""
+    return _run_logged(task, lambda: (time.sleep(float(task.payload.get("sleep", 0))),
+                                      {"key": task.key})[1])
+
+
+def stalls_then_effect(task: Task) -> dict:
+    """Sleeps (a SIGSTOP in the test stretches this), then tries its effect."""
+    def effect(conn: psycopg.Connection) -> dict:
+        conn.execute("INSERT INTO effect_out VALUES (%s, %s, %s)",
+                     (task.key, task.attempt, task.worker_id))
+        return {"applied_by": task.worker_id}
+
+    def body() -> dict:
+        time.sleep(float(task.payload.get("sleep", 0)))
+        return task.once("write", effect)
+
+    return _run_logged(task, body)
+
+
+def not_json(task: Task) -> object:
+    return {"when": object()}
+
+
+async def async_record(task: Task) -> dict:
+    await asyncio.sleep(float(task.payload.get("sleep", 0)))
+    return record(task)
+
+
+def hangs(task: Task) -> None:
+    while True:
+        time.sleep(0.5)
+
+
+def raises_lease_lost(task: Task) -> None:
+    raise LeaseLost("simulated")

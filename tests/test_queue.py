@@ -1,0 +1,283 @@
+"""Every state transition of the lease queue, against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from jobrunner.errors import BadInput, UnknownBatch
+from jobrunner.queue import Outcome, Queue, Timing
+from jobrunner.validation import TaskSpec
+
+W1, W2 = "worker-1-aaaaaa", "worker-2-bbbbbb"
+
+
+def tasks(n: int, shard: str | None = None, prefix: str = "t") -> list[TaskSpec]:
+    return [TaskSpec(key=f"{prefix}{i}", payload={"i": i}, shard_key=shard) for i in range(n)]
+
+
+def row(conn: psycopg.Connection, task_id: int) -> dict:
+    r = conn.execute("SELECT * FROM agent_work_queue WHERE id = %s", (task_id,)).fetchone()
+    conn.rollback()
+    return r
+
+
+def test_enqueue_is_idempotent_per_batch_and_key(queue: Queue):
+    first = queue.enqueue("b1", "acme", tasks(5))
+    again = queue.enqueue("b1", "acme", tasks(7))
+    other = queue.enqueue("b2", "acme", tasks(2))
+    assert (first.new, first.existing) == (5, 0)
+    assert (again.new, again.existing) == (2, 5)
+    assert (other.new, other.existing) == (2, 0)
+    assert queue.counts("b1")["pending"] == 7
+
+
+def test_enqueue_bulk_100k(queue: Queue):
+    result = queue.enqueue("big", "acme", (TaskSpec(key=str(i), payload={"i": i})
+                                           for i in range(100_000)))
+    assert result.new == 100_000
+    assert queue.counts("big")["pending"] == 100_000
+
+
+def test_enqueue_rejects_other_tenant_for_same_batch(queue: Queue):
+    queue.enqueue("b1", "acme", tasks(1))
+    with pytest.raises(BadInput, match="belongs to tenant 'acme'"):
+        queue.enqueue("b1", "globex", tasks(1))
+
+
+def test_claim_marks_leased_with_database_time(queue: Queue, conn):
+    queue.enqueue("b", "acme", tasks(3))
+    leases = queue.claim("b", W1, limit=2)
+    assert len(leases) == 2
+    r = row(conn, leases[0].id)
+    assert r["status"] == "leased" and r["lease_owner"] == W1 and r["attempts"] == 1
+    db_now = conn.execute("SELECT now() AS n").fetchone()["n"]
+    conn.rollback()
+    assert 599 < (r["locked_until"] - db_now).total_seconds() <= 600.5
+    # a leased row is invisible to other claimers
+    rest = queue.claim("b", W2, limit=10)
+    assert [lease.key for lease in rest] == ["t2"]
+    assert queue.claim("b", W2, limit=10) == []
+
+
+def test_claim_never_exceeds_limit(queue: Queue):
+    queue.enqueue("b", "acme", tasks(50))
+    for limit in (1, 3, 7, 10):
+        assert len(queue.claim("b", W1, limit=limit)) == limit
+
+
+def test_heartbeat_extends_and_detects_loss(queue: Queue, conn):
+    queue.enqueue("b", "acme", tasks(2))
+    a, b = queue.claim("b", W1, limit=2)
+    conn.execute("UPDATE agent_work_queue SET locked_until = now() + interval '5 s'")
+    conn.commit()
+    assert queue.heartbeat(W1, [a, b]) == {a.id, b.id}
+    assert (row(conn, a.id)["locked_until"] - row(conn, a.id)["updated_at"]).total_seconds() > 590
+    # another owner's heartbeat renews nothing
+    assert queue.heartbeat(W2, [a]) == set()
+
+
+def test_ack_stores_result_and_is_fenced(queue: Queue, conn):
+    queue.enqueue("b", "acme", tasks(1))
+    (lease,) = queue.claim("b", W1)
+    assert not queue.complete(W2, [Outcome(lease, True, {"x": 1})])  # wrong owner
+    assert queue.ack(W1, lease, {"summary": "ok"})
+    r = row(conn, lease.id)
+    assert r["status"] == "done" and r["result"] == {"summary": "ok"}
+    assert r["finished_at"] is not None and r["locked_until"] is None
+    assert not queue.ack(W1, lease, {"again": True})  # a second ack changes nothing
+    assert row(conn, lease.id)["result"] == {"summary": "ok"}
+
+
+def test_stale_worker_cannot_overwrite_newer_attempt(conn):
+    queue = Queue(conn, Timing(visibility_timeout=600))
+    queue.enqueue("b", "acme", tasks(1, shard="repo-1"))
+    (old,) = queue.claim("b", W1)
+    conn.execute("UPDATE agent_work_queue SET locked_until = now() - interval '1 s'")
+    conn.commit()
+    assert [r["status"] for r in queue.expire()] == ["pending"]
+    (new,) = queue.claim("b", W2)
+    assert new.attempt == 2
+    # The old worker comes back: every fenced operation is a no-op for it.
+    assert queue.heartbeat(W1, [old]) == set()
+    assert not queue.ack(W1, old, {"stale": True})
+    assert queue.fail(W1, old, "stale failure") is None
+    assert queue.release(W1, [old]) == set()
+    # ... and it did not release the shard the new attempt holds.
+    assert conn.execute("SELECT task_id, lease_owner FROM agent_shard_lease").fetchall() == [
+        {"task_id": new.id, "lease_owner": W2}]
+    conn.rollback()
+    assert queue.ack(W2, new, {"fresh": True})
+    r = row(conn, new.id)
+    assert r["status"] == "done" and r["result"] == {"fresh": True}
+
+
+def test_fail_backs_off_exponentially_with_jitter_from_db_time(conn):
+    queue = Queue(conn, Timing(backoff_base=1.0, backoff_cap=3600))
+    queue.enqueue("b", "acme", tasks(1), max_attempts=8)
+    delays = []
+    for attempt in (1, 2, 3):
+        conn.execute("UPDATE agent_work_queue SET run_after = now()")
+        conn.commit()
+        (lease,) = queue.claim("b", W1)
+        assert lease.attempt == attempt
+        assert queue.fail(W1, lease, f"boom {attempt}") == "pending"
+        r = row(conn, lease.id)
+        delays.append((r["run_after"] - r["updated_at"]).total_seconds())
+        assert r["last_error"] == f"boom {attempt}"
+        assert queue.claim("b", W1) == []  # not before its run_after
+    for attempt, delay in zip((1, 2, 3), delays, strict=True):
+        assert 2**attempt <= delay <= 2**attempt * 1.25 + 0.01
+
+
+def test_backoff_is_capped(conn):
+    queue = Queue(conn, Timing(backoff_base=1.0, backoff_cap=5))
+    queue.enqueue("b", "acme", tasks(1))
+    conn.execute("UPDATE agent_work_queue SET attempts = 6")
+    conn.commit()
+    (lease,) = queue.claim("b", W1)
+    queue.fail(W1, lease, "boom")
+    r = row(conn, lease.id)
+    assert (r["run_after"] - r["updated_at"]).total_seconds() == pytest.approx(5, abs=0.01)
+
+
+def test_attempts_exhausted_or_permanent_goes_dead(queue: Queue, conn):
+    queue.enqueue("b", "acme", [TaskSpec("once", {}, max_attempts=1), TaskSpec("perm", {})])
+    leases = {lease.key: lease for lease in queue.claim("b", W1, limit=2)}
+    assert queue.fail(W1, leases["once"], "last try") == "dead"
+    assert queue.fail(W1, leases["perm"], "bad input", permanent=True) == "dead"
+    assert queue.counts("b")["dead"] == 2
+    dead = queue.list_dead("b")
+    assert {d["task_key"]: d["last_error"] for d in dead} == {"once": "last try",
+                                                              "perm": "bad input"}
+
+
+def test_expire_returns_to_pending_or_dead_with_reason(queue: Queue, conn):
+    queue.enqueue("b", "acme", [TaskSpec("a", {}), TaskSpec("b", {}, max_attempts=1)])
+    leases = queue.claim("b", W1, limit=2)
+    assert queue.expire() == []  # nothing is past its deadline yet
+    conn.execute("UPDATE agent_work_queue SET locked_until = now() - interval '1 s'")
+    conn.commit()
+    moved = {r["id"]: r["status"] for r in queue.expire()}
+    by_key = {lease.key: lease.id for lease in leases}
+    assert moved == {by_key["a"]: "pending", by_key["b"]: "dead"}
+    assert "lease expired" in row(conn, by_key["a"])["last_error"]
+    assert W1 in row(conn, by_key["b"])["last_error"]
+
+
+def test_release_does_not_burn_an_attempt(queue: Queue, conn):
+    queue.enqueue("b", "acme", tasks(1, shard="s"))
+    (lease,) = queue.claim("b", W1)
+    assert queue.release(W1, [lease]) == {lease.id}
+    r = row(conn, lease.id)
+    assert r["status"] == "pending" and r["attempts"] == 0
+    assert conn.execute("SELECT count(*) AS n FROM agent_shard_lease").fetchone()["n"] == 0
+    conn.rollback()
+    (again,) = queue.claim("b", W2)
+    assert again.attempt == 1
+
+
+def test_cancel_moves_pending_only(queue: Queue, conn):
+    queue.enqueue("b", "acme", tasks(4))
+    (leased,) = queue.claim("b", W1)
+    assert queue.cancel("b") == 3
+    counts = queue.counts("b")
+    assert counts["cancelled"] == 3 and counts["leased"] == 1
+    assert queue.ack(W1, leased, None)  # a running task still finishes
+    with pytest.raises(BadInput, match="was cancelled"):
+        queue.enqueue("b", "acme", tasks(1, prefix="new"))
+
+
+def test_requeue_dead(queue: Queue):
+    queue.enqueue("b", "acme", tasks(2), max_attempts=1)
+    for lease in queue.claim("b", W1, limit=2):
+        queue.fail(W1, lease, "boom")
+    assert queue.requeue_dead("b", ["t0"]) == 1
+    assert queue.counts("b") == {"pending": 1, "leased": 0, "done": 0, "dead": 1, "cancelled": 0}
+    assert queue.requeue_dead("b") == 1
+    (lease, _) = queue.claim("b", W1, limit=2)
+    assert lease.attempt == 1
+
+
+def test_unknown_batch(queue: Queue):
+    with pytest.raises(UnknownBatch, match="unknown batch 'nope'"):
+        queue.cancel("nope")
+    with pytest.raises(UnknownBatch):
+        queue.list_dead("nope")
+
+
+def test_shard_exclusion_sequential(queue: Queue):
+    queue.enqueue("b", "acme", tasks(3, shard="repo-a", prefix="a") +
+                  tasks(2, shard="repo-b", prefix="b") + tasks(2, prefix="free"))
+    first = queue.claim("b", W1, limit=10)
+    shards = [lease.shard_key for lease in first]
+    # one per shard, and unsharded tasks are not serialised
+    assert sorted(s or "" for s in shards) == ["", "", "repo-a", "repo-b"]
+    assert queue.claim("b", W2, limit=10) == []
+    done = next(lease for lease in first if lease.shard_key == "repo-a")
+    queue.ack(W1, done, None)
+    (nxt,) = queue.claim("b", W2, limit=10)
+    assert nxt.shard_key == "repo-a"
+
+
+def test_same_shard_in_other_tenant_is_independent(queue: Queue):
+    queue.enqueue("b1", "acme", tasks(2, shard="s", prefix="x"))
+    queue.enqueue("b2", "globex", tasks(2, shard="s", prefix="y"))
+    assert len(queue.claim("b1", W1, limit=5)) == 1
+    assert len(queue.claim("b2", W1, limit=5)) == 1
+
+
+def test_task_waiting_out_backoff_does_not_block_its_shard(queue: Queue):
+    queue.enqueue("b", "acme", tasks(2, shard="s"))
+    (first,) = queue.claim("b", W1, limit=1)
+    queue.fail(W1, first, "retry later")
+    (second,) = queue.claim("b", W1, limit=5)
+    assert second.key != first.key
+
+
+def test_busy_shard_does_not_hide_other_work(queue: Queue):
+    queue.enqueue("b", "acme", tasks(20, shard="hot", prefix="h"))
+    queue.enqueue("b", "acme", tasks(1, shard="cold", prefix="c"))
+    assert queue.claim("b", W1, limit=1)[0].shard_key == "hot"
+    (other,) = queue.claim("b", W2, limit=1)
+    assert other.shard_key == "cold"
+
+
+def test_heartbeat_keeps_the_shard(queue: Queue, conn):
+    queue.enqueue("b", "acme", tasks(2, shard="s"))
+    (lease,) = queue.claim("b", W1)
+    queue.heartbeat(W1, [lease])
+    assert queue.claim("b", W2) == []
+
+
+def test_complete_and_claim_is_one_transaction(queue: Queue):
+    queue.enqueue("b", "acme", tasks(3, shard="s"))
+    (lease,) = queue.claim("b", W1)
+    kept, nxt = queue.complete_and_claim(W1, [Outcome(lease, True, {"ok": 1})], "b", 1)
+    assert kept == {lease.id}
+    # the ack released the shard inside the same transaction, so the claim got its next task
+    assert len(nxt) == 1 and nxt[0].shard_key == "s"
+
+
+def test_retention_deletes_and_archives_old_finished_rows(queue: Queue, conn):
+    queue.enqueue("b", "acme", tasks(5))
+    for lease in queue.claim("b", W1, limit=5):
+        queue.ack(W1, lease, None)
+    assert queue.retention(3600) == 0  # too young
+    conn.execute("UPDATE agent_work_queue SET finished_at = now() - interval '2 days'")
+    conn.commit()
+    assert queue.retention(86400, archive=True, batch_size=2) == 5
+    assert conn.execute("SELECT count(*) AS n FROM agent_work_queue_archive").fetchone()["n"] == 5
+    conn.rollback()
+    assert queue.counts("b")["done"] == 0
+
+
+def test_health_reports_stuck_leases(queue: Queue, conn):
+    queue.enqueue("b", "acme", tasks(2))
+    queue.claim("b", W1)
+    assert queue.health("b")["stuck"] == 0
+    conn.execute("UPDATE agent_work_queue SET locked_until = now() - interval '1 s'"
+                 " WHERE status = 'leased'")
+    conn.commit()
+    health = queue.health("b")
+    assert health["stuck"] == 1 and health["oldest_pending_seconds"] >= 0
