@@ -34,8 +34,9 @@ BatchOpt = Annotated[str, typer.Option("--batch", help="Batch id.")]
 
 
 def _fail(message: str, code: int) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
-    raise typer.Exit(code)
+    err.print("[bold red]error:[/] ", end="", highlight=False)
+    err.print(message, markup=False, highlight=False, soft_wrap=True)
+    sys.exit(code)
 
 
 def _queue(dsn: str | None) -> Queue:
@@ -239,7 +240,7 @@ def run(
 
 def main() -> None:
     try:
-        app(standalone_mode=True)
+        app(standalone_mode=True, prog_name="jobrunner")
     except BadInput as exc:
         _fail(str(exc), 2)
     except JobrunnerError as exc:

@@ -85,6 +85,14 @@ def bin_dir() -> Path:
     return pginstall / "bin"
 
 
+def _ensure_traversable(path: Path) -> None:
+    """Let the server's user pass through (not list) the folders above its data."""
+    for folder in [path, *path.parents]:
+        mode = folder.stat().st_mode
+        if not mode & 0o001:
+            folder.chmod(mode | 0o001)
+
+
 def default_root() -> Path:
     if _is_root():
         return SYSTEM_ROOT / "embedded"
@@ -133,10 +141,12 @@ class EmbeddedPostgres:
         return f"postgresql://postgres:{self.password}@127.0.0.1:{self.port}/{dbname}"
 
     def _run(self, args: list[str], **kwargs) -> subprocess.CompletedProcess:
-        user = PG_USER if _is_root() else None
+        # As root, drop to the server's user *and* its group: keeping gid 0 would make the
+        # kernel check the group bits of root-owned folders instead of the "other" bits.
+        ids = {"user": PG_USER, "group": PG_USER, "extra_groups": []} if _is_root() else {}
         try:
-            return subprocess.run(args, check=True, capture_output=True, text=True, user=user,
-                                  cwd="/", **kwargs)
+            return subprocess.run(args, check=True, capture_output=True, text=True, cwd="/",
+                                  **ids, **kwargs)
         except subprocess.CalledProcessError as exc:
             detail = (exc.stderr or exc.stdout or "").strip()
             log = self.log_file.read_text()[-2000:] if self.log_file.exists() else ""
@@ -151,6 +161,7 @@ class EmbeddedPostgres:
         if _is_root():
             _ensure_pg_user()
             shutil.chown(self.root, PG_USER, PG_USER)
+            _ensure_traversable(self.root.resolve().parent)
         self.root.chmod(0o700)
         if not self.password_file.exists():
             self.password_file.write_text(secrets.token_urlsafe(18))

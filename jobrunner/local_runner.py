@@ -66,7 +66,8 @@ def _run(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, n_workers:
         migrate(conn)
         queue = Queue(conn)
         if spec.tasks is not None:
-            result = queue.enqueue(batch_id, spec.tenant, spec.tasks, max_attempts=spec.max_attempts)
+            result = queue.enqueue(batch_id, spec.tenant, spec.tasks,
+                                   max_attempts=spec.max_attempts)
             console.print(f"batch [bold]{batch_id}[/]: {result.new} task(s) enqueued, "
                           f"{result.existing} already there")
         else:

@@ -163,7 +163,8 @@ class Queue:
     def ack(self, worker_id: str, lease: Lease, result: Any = None) -> bool:
         return lease.id in self.complete(worker_id, [Outcome(lease, True, result)])
 
-    def fail(self, worker_id: str, lease: Lease, error: str, *, permanent: bool = False) -> str | None:
+    def fail(self, worker_id: str, lease: Lease, error: str, *,
+             permanent: bool = False) -> str | None:
         """Record a failed attempt; returns the new status, or None if the lease was lost."""
         with self._tx():
             row = self._fail(worker_id, Outcome(lease, False, error=error, permanent=permanent))

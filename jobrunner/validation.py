@@ -99,7 +99,7 @@ def parse_jsonl(lines: Iterable[str], source: str = "input") -> list[TaskSpec]:
             continue
         where = f"{source} line {number}"
         try:
-            obj = json.loads(line, parse_constant=_reject_constant)
+            obj = json.loads(line.rstrip("\r\n"), parse_constant=_reject_constant)
         except json.JSONDecodeError as exc:
             raise BadInput(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
         except ValueError as exc:

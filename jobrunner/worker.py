@@ -412,7 +412,8 @@ class Worker:
     def _shutdown(self) -> None:
         cfg = self.config
         deadline = time.monotonic() + cfg.grace_period
-        while self._running_count() and time.monotonic() < deadline and not self.force_stop.is_set():
+        while (self._running_count() and time.monotonic() < deadline
+               and not self.force_stop.is_set()):
             outcomes = self._drain_finished()
             if outcomes:
                 kept = self._with_db(lambda q, o=outcomes: q.complete(self.worker_id, o), "ack")

@@ -26,8 +26,9 @@ from jobrunner import Task
 CORPUS = Path(__file__).parent / "corpus"
 CHUNK_CHARS = 900
 _WORD = re.compile(r"[a-z][a-z'-]+")
-_STOP = set("""a an the and or of to in is are be by for with as on it this that from at
-which can not if its into their they may will when than then these those such""".split())
+_STOP = set(
+    "a an the and or of to in is are be by for with as on it this that from at which can "
+    "not if its into their they may will when than then these those such".split())
 
 
 def chunks(doc: str, size: int = CHUNK_CHARS) -> list[str]:

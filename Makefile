@@ -1,0 +1,46 @@
+# The two commands a person needs on a fresh machine are `make demo` and `make test`.
+# Everything else is a building block of those two.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test lint e2e-bins system-deps cluster bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+# The main job: a demo batch on an embedded PostgreSQL, with a progress bar and a summary.
+demo: $(VENV)/.installed
+	$(VENV)/bin/jobrunner run examples/summarise.yaml
+
+# The whole test suite, with everything it needs (control-plane binaries built from Go
+# modules and cached by version, PgBouncer from Debian).
+test: $(VENV)/.installed system-deps e2e-bins
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+e2e-bins: $(VENV)/.installed
+	$(PY) -m tests.e2e.harness.build
+
+system-deps:
+	@command -v pgbouncer >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq pgbouncer >/dev/null; \
+	  else echo "pgbouncer missing: sudo apt-get install pgbouncer" >&2; exit 1; fi; }
+
+# A real control plane on 127.0.0.1 in the foreground; kubeconfig in .e2e/kubeconfig.
+cluster: e2e-bins
+	$(PY) -m tests.e2e.harness.cluster
+
+bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) .e2e .pytest_cache .ruff_cache
