@@ -97,8 +97,10 @@ def _spawn(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, index: i
     env = dict(os.environ)
     env["JOBRUNNER_DATABASE_URL"] = dsn  # never on the command line, where ps shows it
     env["JOBRUNNER_WORKER_ID"] = f"local-{index}"
-    # The manifest's folder is importable, so `handler: mymodule:fn` next to it works.
-    paths = [str(manifest.resolve().parent), os.getcwd(), env.get("PYTHONPATH", "")]
+    # The manifest's folder and its parent are importable, so `handler: mymodule:fn` next
+    # to the manifest (or `examples.mymodule:fn` from the repository) works.
+    folder = manifest.resolve().parent
+    paths = [str(folder), str(folder.parent), os.getcwd(), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     args = [sys.executable, "-m", "jobrunner", "worker", "--batch", batch_id,
             "--exit-when-drained", "--log-level", "warning", *spec.worker_args()]

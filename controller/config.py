@@ -1,0 +1,35 @@
+"""Controller settings, from the environment (the Helm chart sets these)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+GROUP, VERSION, PLURAL = "jobrunner.dev", "v1alpha1", "batchruns"
+
+
+@dataclass(frozen=True)
+class Config:
+    worker_image: str
+    image_pull_policy: str
+    default_secret_name: str
+    default_secret_key: str
+    refresh_seconds: float
+    delete_retries: int
+    worker_service_account: str | None
+
+    @classmethod
+    def from_env(cls) -> Config:
+        env = os.environ
+        return cls(
+            worker_image=env.get("JOBRUNNER_WORKER_IMAGE", "ghcr.io/jobrunner/jobrunner:0.1.0"),
+            image_pull_policy=env.get("JOBRUNNER_WORKER_IMAGE_PULL_POLICY", "IfNotPresent"),
+            default_secret_name=env.get("JOBRUNNER_DB_SECRET_NAME", "jobrunner-db"),
+            default_secret_key=env.get("JOBRUNNER_DB_SECRET_KEY", "dsn"),
+            refresh_seconds=float(env.get("JOBRUNNER_REFRESH_SECONDS", "5")),
+            delete_retries=int(env.get("JOBRUNNER_DELETE_RETRIES", "5")),
+            worker_service_account=env.get("JOBRUNNER_WORKER_SERVICE_ACCOUNT") or None,
+        )
+
+
+CONFIG = Config.from_env()

@@ -1,0 +1,341 @@
+"""kopf handlers for BatchRun. Small functions; the state lives in the resource's status.
+
+create/resume/update and a periodic timer all converge the run with `reconcile`, which
+is idempotent: enqueue is keyed on (batch, task key), the Job name is derived from the
+BatchRun's name and uid, status is patched only where it changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from jobrunner.errors import BadInput, UnknownBatch
+from jobrunner.manifest import BatchRunSpec, parse_batchrun
+from jobrunner.redact import redact_text
+
+from . import metrics
+from .conditions import get_condition, now_iso, set_condition
+from .config import CONFIG, GROUP, PLURAL, VERSION
+from .database import DatabaseProblem, queue_for, read_dsn
+from .jobs import build_job, default_batch_id, job_name
+
+TERMINAL = ("Succeeded", "Failed", "Cancelled")
+log = logging.getLogger("jobrunner.controller")
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Handler progress and the diff base go to annotations of our own prefix; status
+    # holds only what the CRD declares (kopf would otherwise write status.kopf).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix="jobrunner.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="jobrunner.dev", key="last-handled-configuration")
+    settings.persistence.finalizer = "jobrunner.dev/cancel-pending-tasks"
+    # Only warnings become Events by themselves; milestones are posted explicitly.
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "jobrunner-controller"
+    # Watches must notice a restarted or silent API server within a minute.
+    settings.watching.server_timeout = 60
+    settings.watching.client_timeout = 75
+    settings.watching.connect_timeout = 10
+    settings.networking.request_timeout = 30
+    settings.networking.connect_timeout = 10
+    # No cluster-wide CRD/namespace scanning: it would need RBAC the controller otherwise
+    # does not use. The CRDs must exist when the controller starts (the chart installs them).
+    settings.scanning.disabled = True
+    settings.execution.max_workers = 20
+
+
+def _db_secret(run: BatchRunSpec) -> tuple[str, str]:
+    return (run.database.get("secretName") or CONFIG.default_secret_name,
+            run.database.get("key") or CONFIG.default_secret_key)
+
+
+def _parse(body: kopf.Body) -> BatchRunSpec:
+    obj = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+           "metadata": dict(body.metadata), "spec": dict(body.spec)}
+    return parse_batchrun(_plain(obj), source=f"BatchRun {body.metadata.namespace}/"
+                          f"{body.metadata.name}")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _status(status: kopf.Status) -> dict[str, Any]:
+    return _plain(dict(status))
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL, timeout=600, backoff=5)
+@kopf.on.resume(GROUP, VERSION, PLURAL, timeout=600, backoff=5)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec", timeout=600, backoff=5)
+def start_or_update(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, retry: int,
+                    **_: Any) -> None:
+    reconcile(body, _status(status), patch, retry)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.refresh_seconds, initial_delay=2,
+            backoff=CONFIG.refresh_seconds)
+def refresh(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, retry: int,
+            **_: Any) -> None:
+    current = _status(status)
+    if not (current.get("milestones") or {}).get("enqueued"):
+        return  # the create handler owns the first enqueue (and its retries)
+    reconcile(body, current, patch, retry)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, retries=CONFIG.delete_retries + 1, backoff=3,
+                timeout=120)
+def cancel_pending(body: kopf.Body, status: kopf.Status, retry: int, **_: Any) -> None:
+    """The finalizer: cancel what is still pending; the Job goes by garbage collection.
+
+    Bounded: if the database stays unreachable, give up after a few tries with an Event
+    rather than keep the resource (and maybe its namespace) from being deleted forever.
+    """
+    ns, name = body.metadata.namespace, body.metadata.name
+    metrics.forget(ns, name)
+    batch_id = (status or {}).get("batchId")
+    if not batch_id:
+        return
+    try:
+        run = _parse(body)
+        secret, key = _db_secret(run)
+        with queue_for(read_dsn(ns, secret, key)) as queue:
+            cancelled = queue.cancel(batch_id)
+    except UnknownBatch:
+        return
+    except (DatabaseProblem, BadInput) as exc:
+        if retry >= CONFIG.delete_retries:
+            _event(body, "Warning", "CancelFailed", message=_safe(
+                f"gave up cancelling the pending tasks of batch {batch_id} after {retry + 1} "
+                f"attempts ({exc}); cancel them with `jobrunner cancel --batch {batch_id}`"))
+            return
+        raise kopf.TemporaryError(_safe(str(exc)), delay=3) from None
+    _event(body, "Normal", "Cancelled",
+              message=f"BatchRun deleted: {cancelled} pending task(s) of batch {batch_id} "
+                      "cancelled")
+
+
+def _event(body: kopf.Body, type_: str, reason: str, message: str) -> None:
+    """Post a Kubernetes Event (explicit: kopf.info/warn would obey the log posting level)."""
+    kopf.event(body, type=type_, reason=reason, message=_safe(message)[:1024])
+
+
+def _safe(text: str) -> str:
+    return redact_text(text)
+
+
+def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int) -> None:
+    meta = body.metadata
+    ns, name, uid = meta.namespace, meta.name, meta.uid
+    generation = meta.get("generation")
+    conditions: list[dict[str, Any]] = list(st.get("conditions") or [])
+    milestones: dict[str, Any] = dict(st.get("milestones") or {})
+    new: dict[str, Any] = {}
+
+    if st.get("phase") in TERMINAL:
+        if st.get("observedGeneration") != generation:
+            patch.status["observedGeneration"] = generation
+        return
+
+    try:
+        run = _parse(body)
+    except BadInput as exc:
+        conditions = set_condition(conditions, "Failed", True, "InvalidSpec", str(exc), generation)
+        _apply(patch, st, {"phase": "Failed", "message": str(exc), "conditions": conditions,
+                           "observedGeneration": generation})
+        _event(body, "Warning", "InvalidSpec", message=str(exc))
+        raise kopf.PermanentError(str(exc)) from None
+
+    batch_id = st.get("batchId") or run.batch_id or default_batch_id(ns, name, uid)
+    new["batchId"] = batch_id
+    secret, key = _db_secret(run)
+
+    try:
+        dsn = read_dsn(ns, secret, key)
+        with queue_for(dsn) as queue:
+            if not milestones.get("enqueued"):
+                message = _enqueue(queue, run, batch_id)
+                milestones["enqueued"] = True
+                conditions = set_condition(conditions, "Enqueued", True, "Enqueued", message,
+                                           generation)
+                _event(body, "Normal", "Enqueued", message=message)
+            queue.expire()  # rescue leases of dead pods even if no worker is left alive
+            counts = queue.counts(batch_id)
+            counts["stuck"] = queue.health(batch_id)["stuck"]
+    except DatabaseProblem as problem:
+        _database_problem(body, st, patch, conditions, milestones, new, problem, generation)
+        raise kopf.TemporaryError(_safe(str(problem)),
+                                  delay=min(60, 5 * 2 ** min(retry, 4))) from None
+    except UnknownBatch:
+        message = (f"waiting for tasks: enqueue them under batch {batch_id} "
+                   f"(jobrunner enqueue --batch {batch_id} …)")
+        conditions = set_condition(conditions, "Enqueued", False, "WaitingForTasks", message,
+                                   generation)
+        _apply(patch, st, {**new, "phase": "Pending", "conditions": conditions,
+                           "observedGeneration": generation, "milestones": milestones})
+        raise kopf.TemporaryError(message, delay=10) from None
+
+    counts["total"] = sum(counts[s] for s in ("pending", "leased", "done", "dead", "cancelled"))
+    job = _ensure_job(body, run, st, batch_id, secret, key)
+    new["jobName"] = job.metadata.name
+    new["activeDeadlineSeconds"] = job.spec.active_deadline_seconds
+    new["activeDeadlineSource"] = ("spec" if run.active_deadline is not None
+                                   else "default: max(1 day, 3 x visibilityTimeoutSeconds + 60)")
+    new["startTime"] = st.get("startTime") or now_iso()
+    phase, reason, message = _phase(run, job, counts, batch_id)
+    new.update(phase=phase, counts=counts, message=message, observedGeneration=generation)
+    if phase in TERMINAL:
+        new["completionTime"] = st.get("completionTime") or now_iso()
+    conditions = _conditions(conditions, phase, reason, message, counts, generation)
+    _milestone_events(body, milestones, counts, phase, message)
+    new["milestones"] = milestones
+    new["conditions"] = conditions
+    _apply(patch, st, new)
+    metrics.record(ns, name, phase, counts)
+
+
+def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str) -> str:
+    if run.tasks is None:
+        queue.batch(batch_id)  # source: external, the tasks must already be there
+        total = sum(queue.counts(batch_id).values())
+        return f"batch {batch_id}: {total} task(s) enqueued externally"
+    result = queue.enqueue(batch_id, run.tenant, run.tasks, max_attempts=run.max_attempts)
+    return (f"batch {batch_id}: {result.new} task(s) enqueued"
+            + (f", {result.existing} already there" if result.existing else ""))
+
+
+def _database_problem(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
+                      conditions: list[dict[str, Any]], milestones: dict[str, Any],
+                      new: dict[str, Any], problem: DatabaseProblem, generation: int) -> None:
+    message = _safe(str(problem))
+    kind = "Progressing" if milestones.get("enqueued") else "Enqueued"
+    previous = get_condition(conditions, kind)
+    conditions = set_condition(conditions, kind, False if kind == "Enqueued" else None,
+                               problem.reason, message, generation)
+    _apply(patch, st, {**new, "phase": st.get("phase") or "Pending", "message": message,
+                       "conditions": conditions, "observedGeneration": generation,
+                       "milestones": milestones})
+    metrics.RECONCILE_ERRORS.labels(problem.reason).inc()
+    if not previous or previous.get("reason") != problem.reason:
+        _event(body, "Warning", problem.reason, message=message)
+
+
+def _ensure_job(body: kopf.Body, run: BatchRunSpec, st: dict[str, Any], batch_id: str,
+                secret: str, key: str) -> Any:
+    """Exactly one Job per BatchRun, ever: a deterministic name, create-or-read."""
+    api = client.BatchV1Api()
+    ns, name = body.metadata.namespace, job_name(body.metadata.name, body.metadata.uid)
+    try:
+        job = api.read_namespaced_job(name, ns)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise kopf.TemporaryError(f"reading Job {name}: HTTP {exc.status}", delay=5) from None
+        if st.get("jobName"):
+            raise kopf.PermanentError(f"Job {name} was deleted while the run was active"
+                                      ) from None
+        manifest = build_job(run, name=name, namespace=ns, batch_id=batch_id,
+                             secret_name=secret, secret_key=key)
+        kopf.adopt(manifest, owner=body)
+        try:
+            job = api.create_namespaced_job(ns, manifest)
+            _event(body, "Normal", "JobCreated",
+                      message=f"Job {name}: {run.workers} worker(s), activeDeadlineSeconds "
+                              f"{run.effective_deadline()}")
+        except ApiException as create_exc:
+            if create_exc.status != 409:
+                raise kopf.TemporaryError(f"creating Job {name}: HTTP {create_exc.status} "
+                                          f"{create_exc.reason}", delay=5) from None
+            job = api.read_namespaced_job(name, ns)
+        return job
+    changes: dict[str, Any] = {}
+    if job.spec.parallelism != run.workers:
+        changes["parallelism"] = run.workers
+    if bool(job.spec.suspend) != run.suspend and not _job_finished(job):
+        changes["suspend"] = run.suspend
+    if changes:
+        job = api.patch_namespaced_job(name, ns, {"spec": changes})
+        _event(body, "Normal", "JobUpdated", message=f"Job {name}: {changes}")
+    return job
+
+
+def _job_finished(job: Any) -> tuple[str, str, str] | None:
+    for cond in job.status.conditions or []:
+        if cond.status == "True" and cond.type in ("Complete", "Failed"):
+            return cond.type, cond.reason or cond.type, cond.message or ""
+    return None
+
+
+def _phase(run: BatchRunSpec, job: Any, counts: dict[str, int],
+           batch_id: str) -> tuple[str, str, str]:
+    summary = (f"{counts['done']}/{counts['total']} done, {counts['dead']} dead, "
+               f"{counts['leased']} running, {counts['pending']} pending")
+    finished = _job_finished(job)
+    unfinished = counts["pending"] + counts["leased"]
+    if finished and finished[0] == "Failed":
+        return "Failed", finished[1], (f"Job failed ({finished[1]}: {finished[2]}); {summary}. "
+                                       "Unfinished tasks stay in the queue: retry with a new "
+                                       f"BatchRun with source: external and batchId {batch_id}")
+    if finished:
+        if unfinished:
+            return "Failed", "WorkersExitedEarly", f"the Job completed with work left: {summary}"
+        if counts["dead"]:
+            return "Failed", "DeadTasks", (f"{counts['dead']} task(s) dead: see `jobrunner dead "
+                                           f"list --batch {batch_id}`; {summary}")
+        if counts["cancelled"]:
+            return "Cancelled", "Cancelled", f"the batch was cancelled; {summary}"
+        return "Succeeded", "AllTasksDone", summary
+    if run.suspend:
+        return "Suspended", "Suspended", f"suspended: no new claims; {summary}"
+    return "Running", "Running", summary
+
+
+def _conditions(conditions: list[dict[str, Any]], phase: str, reason: str, message: str,
+                counts: dict[str, int], generation: int) -> list[dict[str, Any]]:
+    running = phase == "Running"
+    conditions = set_condition(conditions, "Progressing", running,
+                               reason if running else phase, message, generation)
+    # kstatus (Flux, kubectl wait): Reconciling while the batch runs, Stalled on failure,
+    # Ready once it succeeded.
+    conditions = set_condition(conditions, "Reconciling", phase in ("Running", "Pending"),
+                               reason, message, generation)
+    conditions = set_condition(conditions, "Stalled", phase == "Failed", reason, message,
+                               generation)
+    conditions = set_condition(conditions, "Ready", phase == "Succeeded", reason, message,
+                               generation)
+    if phase in TERMINAL:
+        conditions = set_condition(conditions, "Complete", phase == "Succeeded", reason, message,
+                                   generation)
+        conditions = set_condition(conditions, "Failed", phase == "Failed", reason, message,
+                                   generation)
+    return conditions
+
+
+def _milestone_events(body: kopf.Body, milestones: dict[str, Any], counts: dict[str, int],
+                      phase: str, message: str) -> None:
+    if counts["done"] and not milestones.get("firstTaskDone"):
+        milestones["firstTaskDone"] = True
+        _event(body, "Normal", "FirstTaskDone", message="the first task finished")
+    if counts["dead"] > int(milestones.get("deadTasks") or 0):
+        _event(body, "Warning", "DeadTasks", message=f"{counts['dead']} task(s) are dead")
+        milestones["deadTasks"] = counts["dead"]
+    if phase in TERMINAL and not milestones.get("finished"):
+        milestones["finished"] = True
+        _event(body, "Normal" if phase == "Succeeded" else "Warning", phase, message)
+
+
+def _apply(patch: kopf.Patch, current: dict[str, Any], new: dict[str, Any]) -> None:
+    """Patch only what changed: re-applying a manifest, or a quiet refresh, writes nothing."""
+    for field, value in new.items():
+        if current.get(field) != value:
+            patch.status[field] = value

@@ -1,0 +1,1 @@
+"""Example batches (importable, so pods and local workers find their handlers)."""
