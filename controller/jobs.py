@@ -48,6 +48,8 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
         "env": env,
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        # The root filesystem is read-only; command handlers and Python get a scratch /tmp.
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
     for key in ("envFrom", "resources"):
         if template.get(key):
@@ -61,6 +63,7 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
         # Workers talk to PostgreSQL only: no Kubernetes API token in their pods.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS + 15,
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
     }
     service_account = template.get("serviceAccountName") or CONFIG.worker_service_account

