@@ -112,6 +112,10 @@ def worker(
                                                 help="SIGTERM: seconds to finish tasks.")] = 30,
     listen: Annotated[bool, typer.Option(help="LISTEN for enqueue notifications.")] = True,
     max_tasks: Annotated[int | None, typer.Option("--max-tasks", min=1, hidden=True)] = None,
+    lost_lease_grace: Annotated[float, typer.Option(
+        "--lost-lease-grace", min=0, max=3600,
+        help="Seconds a sync handler may ignore the loss of its lease before the worker exits "
+             "(code 70) to get rid of it.")] = 10,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
     dsn: DsnOpt = None,
@@ -128,7 +132,7 @@ def worker(
         batch_size=batch_size, visibility_timeout=visibility_timeout,
         heartbeat_interval=heartbeat, backoff_base=backoff_base, backoff_cap=backoff_cap,
         exit_when_drained=exit_when_drained, grace_period=grace_period, listen=listen,
-        max_tasks=max_tasks)
+        max_tasks=max_tasks, lost_lease_grace=lost_lease_grace)
     with db.connect(dsn_value, purpose="jobrunner-worker") as conn:
         Queue(conn).batch(batch)  # unknown batch: a clear error before any thread starts
     code = run_worker(config)

@@ -21,7 +21,8 @@ _HERE = Path(__file__).resolve().parent
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "e2e: end-to-end test against a real kube-apiserver/controller-manager (tests/e2e)"
+        "markers",
+        "e2e: end-to-end test against a real kube-apiserver/controller-manager (tests/e2e)",
     )
 
 
@@ -42,8 +43,10 @@ def _in_ci() -> bool:
 def ensure_bin_dir() -> Path:
     """Binaries, built on demand; skip (or fail under CI=true) when they cannot be had."""
     if not build.binaries_present() and not build.go_available():
-        msg = ("e2e binaries are not built and `go` is not installed "
-               "(run `python -m tests.e2e.harness.build` on a machine with Go)")
+        msg = (
+            "e2e binaries are not built and `go` is not installed "
+            "(run `python -m tests.e2e.harness.build` on a machine with Go)"
+        )
         if _in_ci():
             pytest.fail(msg, pytrace=False)
         pytest.skip(msg)

@@ -8,8 +8,6 @@ import signal
 import textwrap
 import time
 
-import pytest
-
 PY = "python"
 
 
@@ -37,7 +35,9 @@ def job_pods(k8s, ns, job):
     return get_json(k8s, "pods", "-n", ns, "-l", f"job-name={job}")["items"]
 
 
-def job(name, command, parallelism=1, completions=1, backoff=0, deadline=None, restart="Never", extra=""):
+def job(
+    name, command, parallelism=1, completions=1, backoff=0, deadline=None, restart="Never", extra=""
+):
     dl = f"\n  activeDeadlineSeconds: {deadline}" if deadline else ""
     return f"""
 apiVersion: batch/v1
@@ -80,8 +80,13 @@ def test_job_parallelism_completes(k8s, namespace):
     code = "import os, time; time.sleep(2); print('hello from', os.environ['POD_NAME'], flush=True)"
     apply(k8s, job("par", [PY, "-c", code], parallelism=3, completions=3), namespace)
     # all three run at the same time
-    wait_for(lambda: sum(p["status"].get("phase") == "Running" for p in job_pods(k8s, namespace, "par")) == 3,
-             timeout=60, what="3 running pods")
+    wait_for(
+        lambda: (
+            sum(p["status"].get("phase") == "Running" for p in job_pods(k8s, namespace, "par")) == 3
+        ),
+        timeout=60,
+        what="3 running pods",
+    )
     k8s.kubectl("wait", "--for=condition=Complete", "job/par", "-n", namespace, "--timeout=120s")
     j = get_json(k8s, "job/par", "-n", namespace)
     assert j["status"]["succeeded"] == 3
@@ -100,16 +105,21 @@ def test_job_parallelism_completes(k8s, namespace):
 
 def test_active_deadline_kills_pod(k8s, namespace):
     apply(k8s, job("deadline", [PY, "-c", "import time; time.sleep(600)"], deadline=5), namespace)
-    pod = wait_for(lambda: [p for p in job_pods(k8s, namespace, "deadline") if p["status"].get("phase") == "Running"],
-                   timeout=60, what="running pod")[0]
+    pod = wait_for(
+        lambda: [
+            p for p in job_pods(k8s, namespace, "deadline") if p["status"].get("phase") == "Running"
+        ],
+        timeout=60,
+        what="running pod",
+    )[0]
     pids = k8s.kubelet.pod_pids(namespace, pod["metadata"]["name"])
     assert pids, "the pod's process should be running"
     k8s.kubectl("wait", "--for=condition=Failed", "job/deadline", "-n", namespace, "--timeout=90s")
     j = get_json(k8s, "job/deadline", "-n", namespace)
-    failed = [c for c in j["status"]["conditions"] if c["type"] == "Failed"][0]
+    failed = next(c for c in j["status"]["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "DeadlineExceeded"
     for pid in pids.values():
-        wait_for(lambda: not _alive(pid), timeout=30, what=f"pid {pid} gone")
+        wait_for(lambda pid=pid: not _alive(pid), timeout=30, what=f"pid {pid} gone")
     # the kubelet finalised the deleted pod (grace 0 after SIGTERM)
     wait_for(lambda: not job_pods(k8s, namespace, "deadline"), timeout=60, what="pod removal")
 
@@ -157,8 +167,13 @@ spec:
 
 def test_crd_cel_validation(k8s, namespace):
     apply(k8s, CRD)
-    k8s.kubectl("wait", "--for=condition=Established", "crd/widgets.e2e.jobrunner.dev", "--timeout=60s")
-    widget = "apiVersion: e2e.jobrunner.dev/v1\nkind: Widget\nmetadata: {{name: {n}}}\nspec: {{min: {a}, max: {b}}}\n"
+    k8s.kubectl(
+        "wait", "--for=condition=Established", "crd/widgets.e2e.jobrunner.dev", "--timeout=60s"
+    )
+    widget = (
+        "apiVersion: e2e.jobrunner.dev/v1\nkind: Widget\n"
+        "metadata: {{name: {n}}}\nspec: {{min: {a}, max: {b}}}\n"
+    )
     bad = apply(k8s, widget.format(n="bad", a=5, b=1), namespace, check=False)
     assert bad.returncode != 0
     assert "min must not exceed max" in bad.stderr
@@ -172,17 +187,30 @@ def test_helm_install(k8s, namespace, tmp_path):
     (chart / "templates").mkdir(parents=True)
     (chart / "Chart.yaml").write_text("apiVersion: v2\nname: tiny\nversion: 0.1.0\n")
     (chart / "values.yaml").write_text("greeting: hello\n")
-    (chart / "templates" / "cm.yaml").write_text(textwrap.dedent("""\
+    (chart / "templates" / "cm.yaml").write_text(
+        textwrap.dedent("""\
         apiVersion: v1
         kind: ConfigMap
         metadata:
           name: {{ .Release.Name }}-cm
         data:
           greeting: {{ .Values.greeting | quote }}
-        """))
+        """)
+    )
     (chart / "templates" / "sa.yaml").write_text(
-        "apiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: {{ .Release.Name }}-sa\n")
-    k8s.helm("install", "rel", str(chart), "-n", namespace, "--set", "greeting=hi", "--wait", "--timeout=60s")
+        "apiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: {{ .Release.Name }}-sa\n"
+    )
+    k8s.helm(
+        "install",
+        "rel",
+        str(chart),
+        "-n",
+        namespace,
+        "--set",
+        "greeting=hi",
+        "--wait",
+        "--timeout=60s",
+    )
     cm = get_json(k8s, "configmap/rel-cm", "-n", namespace)
     assert cm["data"] == {"greeting": "hi"}
     assert cm["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
@@ -233,8 +261,18 @@ def test_rbac(k8s, namespace, tmp_path):
     empty.write_text("")
     ca = tmp_path / "ca.crt"
     ca.write_bytes(k8s.ca_pem)
-    as_sa = ["--kubeconfig", str(empty), "--server", k8s.server, "--certificate-authority", str(ca),
-             "--token", token, "-n", namespace]
+    as_sa = [
+        "--kubeconfig",
+        str(empty),
+        "--server",
+        k8s.server,
+        "--certificate-authority",
+        str(ca),
+        "--token",
+        token,
+        "-n",
+        namespace,
+    ]
     assert k8s.kubectl("get", "pods", *as_sa).returncode == 0
     denied = k8s.kubectl("get", "secrets", *as_sa, check=False)
     assert denied.returncode != 0 and "forbidden" in denied.stderr.lower()
@@ -242,8 +280,16 @@ def test_rbac(k8s, namespace, tmp_path):
 
 def test_pod_env_and_in_cluster_credentials(k8s, namespace):
     apply(k8s, RBAC.replace("NS", namespace), namespace)
-    k8s.kubectl("create", "secret", "generic", "db", "-n", namespace,
-                "--from-literal=dsn=postgresql://u:p@127.0.0.1:5432/db", "--from-literal=PGUSER=u")
+    k8s.kubectl(
+        "create",
+        "secret",
+        "generic",
+        "db",
+        "-n",
+        namespace,
+        "--from-literal=dsn=postgresql://u:p@127.0.0.1:5432/db",
+        "--from-literal=PGUSER=u",
+    )
     k8s.kubectl("create", "configmap", "cfg", "-n", namespace, "--from-literal=MODE=fast")
     script = textwrap.dedent("""\
         import json, os
@@ -256,9 +302,10 @@ def test_pod_env_and_in_cluster_credentials(k8s, namespace):
             secrets = "allowed"
         except client.ApiException as e:
             secrets = e.status
-        keys = ["DSN", "NS", "POD_NAME", "POD_UID", "SA", "NODE", "IP", "LBL", "GREETING", "DB_PGUSER",
-                "MODE", "MISSING", "CPU"]
-        print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "pods": pods, "secrets": secrets,
+        keys = ["DSN", "NS", "POD_NAME", "POD_UID", "SA", "NODE", "IP", "LBL", "GREETING",
+                "DB_PGUSER", "MODE", "MISSING", "CPU"]
+        env = {k: os.environ.get(k) for k in keys}
+        print(json.dumps({"env": env, "pods": pods, "secrets": secrets,
                           "cwd": os.getcwd(), "argv": os.sys.argv[1:]}), flush=True)
         """)
     pod = f"""
@@ -293,14 +340,24 @@ spec:
     - {{name: GREETING, value: "hi $(POD_NAME) in $(NS)"}}
 """
     apply(k8s, pod, namespace)
-    k8s.kubectl("wait", "--for=jsonpath={.status.phase}=Succeeded", "pod/envpod", "-n", namespace,
-                "--timeout=90s")
+    k8s.kubectl(
+        "wait",
+        "--for=jsonpath={.status.phase}=Succeeded",
+        "pod/envpod",
+        "-n",
+        namespace,
+        "--timeout=90s",
+    )
     out = json.loads(k8s.kubelet.pod_log(namespace, "envpod"))
     p = get_json(k8s, "pod/envpod", "-n", namespace)
     env = out["env"]
     assert env["DSN"] == "postgresql://u:p@127.0.0.1:5432/db"
     assert env["DB_PGUSER"] == "u" and env["MODE"] == "fast" and env["MISSING"] is None
-    assert env["NS"] == namespace and env["POD_NAME"] == "envpod" and env["POD_UID"] == p["metadata"]["uid"]
+    assert (
+        env["NS"] == namespace
+        and env["POD_NAME"] == "envpod"
+        and env["POD_UID"] == p["metadata"]["uid"]
+    )
     assert env["SA"] == "reader" and env["NODE"] == "e2e-node" and env["IP"] == "127.0.0.1"
     assert env["LBL"] == "envtest" and int(env["CPU"]) >= 1
     assert env["GREETING"] == f"hi envpod in {namespace}"
@@ -309,8 +366,12 @@ spec:
     assert out["secrets"] == 403  # ... but not secrets
     cs = p["status"]["containerStatuses"][0]
     assert cs["state"]["terminated"]["exitCode"] == 0 and cs["ready"] is False
-    assert {c["type"] for c in p["status"]["conditions"]} >= {"PodScheduled", "Initialized", "Ready",
-                                                               "ContainersReady"}
+    assert {c["type"] for c in p["status"]["conditions"]} >= {
+        "PodScheduled",
+        "Initialized",
+        "Ready",
+        "ContainersReady",
+    }
 
 
 def test_missing_secret_and_no_automount(k8s, namespace):
@@ -329,12 +390,28 @@ spec:
     - {name: X, valueFrom: {secretKeyRef: {name: later, key: x}}}
 """
     apply(k8s, pod, namespace)
-    wait_for(lambda: (get_json(k8s, "pod/nosa", "-n", namespace)["status"].get("containerStatuses") or [{}])[0]
-             .get("state", {}).get("waiting", {}).get("reason") == "CreateContainerConfigError",
-             timeout=30, what="CreateContainerConfigError")
+    wait_for(
+        lambda: (
+            (get_json(k8s, "pod/nosa", "-n", namespace)["status"].get("containerStatuses") or [{}])[
+                0
+            ]
+            .get("state", {})
+            .get("waiting", {})
+            .get("reason")
+            == "CreateContainerConfigError"
+        ),
+        timeout=30,
+        what="CreateContainerConfigError",
+    )
     k8s.kubectl("create", "secret", "generic", "later", "-n", namespace, "--from-literal=x=42")
-    k8s.kubectl("wait", "--for=jsonpath={.status.phase}=Succeeded", "pod/nosa", "-n", namespace,
-                "--timeout=60s")
+    k8s.kubectl(
+        "wait",
+        "--for=jsonpath={.status.phase}=Succeeded",
+        "pod/nosa",
+        "-n",
+        namespace,
+        "--timeout=60s",
+    )
     assert k8s.kubelet.pod_log(namespace, "nosa").split() == ["None", "42"]
 
 
@@ -351,11 +428,25 @@ spec:
   - name: main
     image: x
     workingDir: /nonexistent/work
-    command: [python, -c, "import os, sys; n = len(os.listdir('.')); open(f'f{n}', 'w'); print(n); sys.exit(0 if n >= 2 else 3)"]
+    command:
+    - python
+    - -c
+    - |
+      import os, sys
+      n = len(os.listdir('.'))
+      open(f'f{n}', 'w')
+      print(n)
+      sys.exit(0 if n >= 2 else 3)
 """
     apply(k8s, pod, namespace)
-    k8s.kubectl("wait", "--for=jsonpath={.status.phase}=Succeeded", "pod/flaky", "-n", namespace,
-                "--timeout=90s")
+    k8s.kubectl(
+        "wait",
+        "--for=jsonpath={.status.phase}=Succeeded",
+        "pod/flaky",
+        "-n",
+        namespace,
+        "--timeout=90s",
+    )
     p = get_json(k8s, "pod/flaky", "-n", namespace)
     cs = p["status"]["containerStatuses"][0]
     assert cs["restartCount"] == 2
@@ -369,33 +460,56 @@ def test_kill_9_gets_replacement_pod(k8s, namespace):
     apply(k8s, job("crash", [PY, "-c", "import time; time.sleep(600)"], backoff=2), namespace)
 
     def running():
-        return [p for p in job_pods(k8s, namespace, "crash") if p["status"].get("phase") == "Running"]
+        return [
+            p for p in job_pods(k8s, namespace, "crash") if p["status"].get("phase") == "Running"
+        ]
 
     first = wait_for(running, timeout=60, what="running pod")[0]["metadata"]["name"]
     assert k8s.kubelet.kill_pod(namespace, first, signal.SIGKILL) == 1
-    k8s.kubectl("wait", "--for=jsonpath={.status.phase}=Failed", f"pod/{first}", "-n", namespace,
-                "--timeout=30s")
-    term = get_json(k8s, f"pod/{first}", "-n", namespace)["status"]["containerStatuses"][0]["state"]["terminated"]
+    k8s.kubectl(
+        "wait",
+        "--for=jsonpath={.status.phase}=Failed",
+        f"pod/{first}",
+        "-n",
+        namespace,
+        "--timeout=30s",
+    )
+    term = get_json(k8s, f"pod/{first}", "-n", namespace)["status"]["containerStatuses"][0][
+        "state"
+    ]["terminated"]
     assert term["exitCode"] == 137 and term["reason"] == "Error"
     # the Job controller notices the failure and creates a replacement (after its backoff)
-    second = wait_for(lambda: [p for p in running() if p["metadata"]["name"] != first], timeout=90,
-                      what="replacement pod")[0]["metadata"]["name"]
+    second = wait_for(
+        lambda: [p for p in running() if p["metadata"]["name"] != first],
+        timeout=90,
+        what="replacement pod",
+    )[0]["metadata"]["name"]
     j = get_json(k8s, "job/crash", "-n", namespace)
     assert j["status"].get("failed") == 1 and j["status"].get("active") == 1
     # the annotation route works too (for kubelets in another process)
     k8s.kubectl("annotate", f"pod/{second}", "-n", namespace, "e2e.jobrunner.dev/kill=9")
-    k8s.kubectl("wait", "--for=jsonpath={.status.phase}=Failed", f"pod/{second}", "-n", namespace,
-                "--timeout=30s")
+    k8s.kubectl(
+        "wait",
+        "--for=jsonpath={.status.phase}=Failed",
+        f"pod/{second}",
+        "-n",
+        namespace,
+        "--timeout=30s",
+    )
     # deleting the Job garbage-collects its pods through ownerReferences
     k8s.kubectl("delete", "job/crash", "-n", namespace, "--cascade=background", "--wait=false")
-    wait_for(lambda: not job_pods(k8s, namespace, "crash"), timeout=90, what="pods garbage-collected")
+    wait_for(
+        lambda: not job_pods(k8s, namespace, "crash"), timeout=90, what="pods garbage-collected"
+    )
 
 
 def test_restart_apiserver(k8s, namespace):
     k8s.restart_apiserver()
     assert k8s.kubectl("get", "namespace", namespace).returncode == 0
     # the kubelet's watch recovered: new pods still run
-    apply(k8s, """
+    apply(
+        k8s,
+        """
 apiVersion: v1
 kind: Pod
 metadata: {name: after-restart}
@@ -403,7 +517,15 @@ spec:
   restartPolicy: Never
   containers:
   - {name: main, image: x, command: [python, -c, "print('ok')"]}
-""", namespace)
-    k8s.kubectl("wait", "--for=jsonpath={.status.phase}=Succeeded", "pod/after-restart", "-n", namespace,
-                "--timeout=90s")
+""",
+        namespace,
+    )
+    k8s.kubectl(
+        "wait",
+        "--for=jsonpath={.status.phase}=Succeeded",
+        "pod/after-restart",
+        "-n",
+        namespace,
+        "--timeout=90s",
+    )
     assert k8s.kubelet.pod_log(namespace, "after-restart").strip() == "ok"

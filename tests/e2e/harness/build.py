@@ -128,8 +128,10 @@ def build_k8s(force: bool = False) -> Path:
     commit = (info.get("Origin") or {}).get("Hash", "")
     # The upstream go.mod replaces each staging module by a directory that is not
     # part of the module zip; map each to its published v0.X.Y twin instead.
-    staging_version = "v0." + K8S_VERSION[len("v1."):]
-    staging = sorted(set(re.findall(r"^\s*(k8s\.io/[\w.\-/]+)\s*=>\s*\./staging/", upstream_mod, re.M)))
+    staging_version = "v0." + K8S_VERSION[len("v1.") :]
+    staging = sorted(
+        set(re.findall(r"^\s*(k8s\.io/[\w.\-/]+)\s*=>\s*\./staging/", upstream_mod, re.M))
+    )
     if not staging:
         raise SystemExit("could not find staging replace directives in k8s.io/kubernetes go.mod")
     etcd_ver = re.search(r"^\s*go\.etcd\.io/etcd/server/v3\s+(v\S+)", upstream_mod, re.M)
@@ -204,7 +206,12 @@ import (
     (d / _STAMP).unlink(missing_ok=True)
     _run(
         [
-            "go", "build", "-trimpath", "-ldflags=" + " ".join(ldflags), "-o", str(out) + "/",
+            "go",
+            "build",
+            "-trimpath",
+            "-ldflags=" + " ".join(ldflags),
+            "-o",
+            str(out) + "/",
             "k8s.io/kubernetes/cmd/kube-apiserver",
             "k8s.io/kubernetes/cmd/kube-controller-manager",
             "k8s.io/kubernetes/cmd/kubectl",
@@ -213,8 +220,19 @@ import (
         src,
     )
     secs = time.monotonic() - t0
-    _write(d / _STAMP, json.dumps({"k8s": K8S_VERSION, "etcd": etcd_version, "commit": commit,
-                                   "seconds": round(secs, 1), "built": build_date}) + "\n")
+    _write(
+        d / _STAMP,
+        json.dumps(
+            {
+                "k8s": K8S_VERSION,
+                "etcd": etcd_version,
+                "commit": commit,
+                "seconds": round(secs, 1),
+                "built": build_date,
+            }
+        )
+        + "\n",
+    )
     _log(f"kubernetes {K8S_VERSION} (+etcd {etcd_version}) built in {secs:.0f}s")
     return out
 
@@ -238,26 +256,53 @@ def build_helm(force: bool = False) -> Path:
     _run(["go", "mod", "tidy"], src)
     info = _mod_download(f"{mod}@{HELM_VERSION}", src)
     commit = (info.get("Origin") or {}).get("Hash", "")
-    ldflags = ["-s", "-w",
-               f"-X={mod}/internal/version.version={HELM_VERSION}",
-               f"-X={mod}/internal/version.gitCommit={commit}",
-               "-X=" + mod + "/internal/version.gitTreeState=clean"]
+    ldflags = [
+        "-s",
+        "-w",
+        f"-X={mod}/internal/version.version={HELM_VERSION}",
+        f"-X={mod}/internal/version.gitCommit={commit}",
+        "-X=" + mod + "/internal/version.gitTreeState=clean",
+    ]
     out = d / "bin"
     out.mkdir(parents=True, exist_ok=True)
     (d / _STAMP).unlink(missing_ok=True)
-    _run(["go", "build", "-trimpath", "-ldflags=" + " ".join(ldflags), "-o", str(out) + "/",
-          f"{mod}/cmd/helm"], src)
+    _run(
+        [
+            "go",
+            "build",
+            "-trimpath",
+            "-ldflags=" + " ".join(ldflags),
+            "-o",
+            str(out) + "/",
+            f"{mod}/cmd/helm",
+        ],
+        src,
+    )
     secs = time.monotonic() - t0
-    _write(d / _STAMP, json.dumps({"helm": HELM_VERSION, "commit": commit, "seconds": round(secs, 1)}) + "\n")
+    _write(
+        d / _STAMP,
+        json.dumps({"helm": HELM_VERSION, "commit": commit, "seconds": round(secs, 1)}) + "\n",
+    )
     _log(f"helm {HELM_VERSION} built in {secs:.0f}s")
     return out
 
 
 def ensure_binaries(force: bool = False) -> Path:
     """Build whatever is missing and return the combined bin dir."""
+    import fcntl
+
     t0 = time.monotonic()
-    kb = build_k8s(force)
-    hb = build_helm(force)
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with open(cache_root() / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time (CI, pytest, a person)
+        kb = build_k8s(force)
+        hb = build_helm(force)
+        _link(kb, hb)
+    _log(f"binaries ready in {time.monotonic() - t0:.1f}s")
+    return bin_dir()
+
+
+def _link(kb: Path, hb: Path) -> None:
     b = bin_dir()
     b.mkdir(parents=True, exist_ok=True)
     for src_dir, names in ((kb, K8S_BINARIES), (hb, HELM_BINARIES)):
@@ -268,12 +313,12 @@ def ensure_binaries(force: bool = False) -> Path:
                     continue
                 link.unlink()
             link.symlink_to(src_dir / n)
-    _log(f"binaries ready in {time.monotonic() - t0:.1f}s")
-    return b
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--force", action="store_true", help="rebuild even if cached binaries exist")
     p.add_argument("--print-versions", action="store_true", help="print pinned versions and exit")
     a = p.parse_args(argv)

@@ -46,15 +46,22 @@ def _b64(data: bytes) -> str:
     return b64encode(data).decode()
 
 
-def kubeconfig_dict(server: str, ca_pem: bytes, user: dict, namespace: str = "default",
-                    name: str = "jobrunner-e2e") -> dict:
+def kubeconfig_dict(
+    server: str, ca_pem: bytes, user: dict, namespace: str = "default", name: str = "jobrunner-e2e"
+) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": name, "cluster": {"server": server,
-                                                "certificate-authority-data": _b64(ca_pem)}}],
+        "clusters": [
+            {
+                "name": name,
+                "cluster": {"server": server, "certificate-authority-data": _b64(ca_pem)},
+            }
+        ],
         "users": [{"name": name, "user": user}],
-        "contexts": [{"name": name, "context": {"cluster": name, "user": name, "namespace": namespace}}],
+        "contexts": [
+            {"name": name, "context": {"cluster": name, "user": name, "namespace": namespace}}
+        ],
         "current-context": name,
         "preferences": {},
     }
@@ -74,15 +81,30 @@ class ClusterError(RuntimeError):
     pass
 
 
+class CommandError(subprocess.CalledProcessError):
+    """A failed kubectl/helm call; its message includes the command's stderr."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nstderr: {(self.stderr or '').strip()[-2000:]}"
+
+
 class Cluster:
     """Start with :meth:`start` (or use as a context manager); :meth:`stop` cleans up."""
 
-    def __init__(self, bin_dir: Path | str | None = None, kubeconfig_path: Path | str | None = None,
-                 keep: bool | None = None, with_kubelet: bool = True, node_name: str = "e2e-node",
-                 quiet: bool = True):
+    def __init__(
+        self,
+        bin_dir: Path | str | None = None,
+        kubeconfig_path: Path | str | None = None,
+        keep: bool | None = None,
+        with_kubelet: bool = True,
+        node_name: str = "e2e-node",
+        quiet: bool = True,
+    ):
         self.bin_dir = Path(bin_dir) if bin_dir else build.bin_dir()
         self.root = Path(tempfile.mkdtemp(prefix="jobrunner-e2e-"))
-        self.kubeconfig = Path(kubeconfig_path) if kubeconfig_path else self.root / "admin.kubeconfig"
+        self.kubeconfig = (
+            Path(kubeconfig_path) if kubeconfig_path else self.root / "admin.kubeconfig"
+        )
         self.keep = bool(os.environ.get("JOBRUNNER_E2E_KEEP")) if keep is None else keep
         self.with_kubelet = with_kubelet
         self.node_name = node_name
@@ -98,13 +120,20 @@ class Cluster:
         self.kcm: Proc | None = None
         self._stopped = False
         self._lock = threading.RLock()
-        path_entries = [str(self.bin_dir), os.path.dirname(sys.executable), os.environ.get("PATH", "")]
+        path_entries = [
+            str(self.bin_dir),
+            os.path.dirname(sys.executable),
+            os.environ.get("PATH", ""),
+        ]
         self.env = dict(os.environ)
         self.env["KUBECONFIG"] = str(self.kubeconfig)
         self.env["PATH"] = os.pathsep.join(p for p in path_entries if p)
         # helm keeps its state in per-cluster dirs, not in the user's home.
-        for var, sub in (("HELM_CACHE_HOME", "helm/cache"), ("HELM_CONFIG_HOME", "helm/config"),
-                         ("HELM_DATA_HOME", "helm/data")):
+        for var, sub in (
+            ("HELM_CACHE_HOME", "helm/cache"),
+            ("HELM_CONFIG_HOME", "helm/config"),
+            ("HELM_DATA_HOME", "helm/data"),
+        ):
             self.env[var] = str(self.root / sub)
 
     # ---------------------------------------------------------------- lifecycle
@@ -122,34 +151,58 @@ class Cluster:
         pki_dir = self.root / "pki"
         self.pki = PKI(pki_dir)
         self.serving = self.pki.issue(
-            "apiserver", "kube-apiserver", server=True,
-            dns=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-                 "kubernetes.default.svc.cluster.local"],
+            "apiserver",
+            "kube-apiserver",
+            server=True,
+            dns=[
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            ],
             ips=["127.0.0.1", "10.0.0.1"],
         )
-        self.admin = self.pki.issue("admin", "kubernetes-admin", orgs=["system:masters"], client=True)
+        self.admin = self.pki.issue(
+            "admin", "kubernetes-admin", orgs=["system:masters"], client=True
+        )
         self.kcm_cert = self.pki.issue("kcm", "system:kube-controller-manager", client=True)
         self.sa_keys = self.pki.service_account_keys()
         self.ca_pem = self.pki.ca.cert_pem
-        admin_user = {"client-certificate-data": _b64(self.admin.cert_pem),
-                      "client-key-data": _b64(self.admin.key_pem)}
+        admin_user = {
+            "client-certificate-data": _b64(self.admin.cert_pem),
+            "client-key-data": _b64(self.admin.key_pem),
+        }
         self.admin_config = kubeconfig_dict(self.server, self.ca_pem, admin_user)
         write_kubeconfig(self.kubeconfig, self.admin_config)
         self.kcm_kubeconfig = write_kubeconfig(
             self.root / "kcm.kubeconfig",
-            kubeconfig_dict(self.server, self.ca_pem, {"client-certificate-data": _b64(self.kcm_cert.cert_pem),
-                                                      "client-key-data": _b64(self.kcm_cert.key_pem)}),
+            kubeconfig_dict(
+                self.server,
+                self.ca_pem,
+                {
+                    "client-certificate-data": _b64(self.kcm_cert.cert_pem),
+                    "client-key-data": _b64(self.kcm_cert.key_pem),
+                },
+            ),
         )
 
     def _etcd_argv(self):
         peer = f"http://127.0.0.1:{self.etcd_peer_port}"
         client = f"http://127.0.0.1:{self.etcd_port}"
         return [
-            self._bin("etcd"), "--name=e2e", f"--data-dir={self.root / 'etcd'}",
-            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=e2e={peer}", "--initial-cluster-state=new",
-            "--unsafe-no-fsync=true", "--log-level=warn", "--quota-backend-bytes=2147483648",
+            self._bin("etcd"),
+            "--name=e2e",
+            f"--data-dir={self.root / 'etcd'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=e2e={peer}",
+            "--initial-cluster-state=new",
+            "--unsafe-no-fsync=true",
+            "--log-level=warn",
+            "--quota-backend-bytes=2147483648",
         ]
 
     def _apiserver_argv(self):
@@ -157,16 +210,22 @@ class Cluster:
         return [
             self._bin("kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
-            "--bind-address=127.0.0.1", f"--secure-port={self.apiserver_port}",
-            "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
-            f"--tls-cert-file={self.serving.cert}", f"--tls-private-key-file={self.serving.key}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self.apiserver_port}",
+            "--advertise-address=127.0.0.1",
+            "--endpoint-reconciler-type=none",
+            f"--tls-cert-file={self.serving.cert}",
+            f"--tls-private-key-file={self.serving.key}",
             f"--client-ca-file={p / 'ca.crt'}",
-            "--authorization-mode=Node,RBAC", "--anonymous-auth=false",
+            "--authorization-mode=Node,RBAC",
+            "--anonymous-auth=false",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={self.sa_keys.cert}",
             f"--service-account-signing-key-file={self.sa_keys.key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--allow-privileged=true", "--profiling=false", "--v=1",
+            "--allow-privileged=true",
+            "--profiling=false",
+            "--v=1",
         ]
 
     def _kcm_argv(self):
@@ -176,15 +235,20 @@ class Cluster:
             f"--kubeconfig={self.kcm_kubeconfig}",
             f"--authentication-kubeconfig={self.kcm_kubeconfig}",
             f"--authorization-kubeconfig={self.kcm_kubeconfig}",
-            "--bind-address=127.0.0.1", f"--secure-port={self.kcm_port}",
-            "--leader-elect=false", "--use-service-account-credentials=true",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self.kcm_port}",
+            "--leader-elect=false",
+            "--use-service-account-credentials=true",
             f"--service-account-private-key-file={self.sa_keys.key}",
             f"--root-ca-file={p / 'ca.crt'}",
-            f"--cluster-signing-cert-file={p / 'ca.crt'}", f"--cluster-signing-key-file={p / 'ca.key'}",
-            "--controllers=*", "--profiling=false", "--v=1",
+            f"--cluster-signing-cert-file={p / 'ca.crt'}",
+            f"--cluster-signing-key-file={p / 'ca.key'}",
+            "--controllers=*",
+            "--profiling=false",
+            "--v=1",
         ]
 
-    def start(self, timeout: float = 180.0) -> "Cluster":
+    def start(self, timeout: float = 180.0) -> Cluster:
         atexit.register(self.stop)
         t0 = time.monotonic()
         try:
@@ -192,18 +256,32 @@ class Cluster:
             logs = self.root / "logs"
             self.etcd = Proc("etcd", self._etcd_argv(), logs / "etcd.log")
             self.etcd.start()
-            self._wait(lambda: self._http_ok(f"http://127.0.0.1:{self.etcd_port}/health"), self.etcd, 60)
-            self.apiserver = Proc("kube-apiserver", self._apiserver_argv(), logs / "kube-apiserver.log")
+            self._wait(
+                lambda: self._http_ok(f"http://127.0.0.1:{self.etcd_port}/health"), self.etcd, 60
+            )
+            self.apiserver = Proc(
+                "kube-apiserver", self._apiserver_argv(), logs / "kube-apiserver.log"
+            )
             self.start_apiserver(timeout=timeout)
-            self.kcm = Proc("kube-controller-manager", self._kcm_argv(), logs / "kube-controller-manager.log")
+            self.kcm = Proc(
+                "kube-controller-manager", self._kcm_argv(), logs / "kube-controller-manager.log"
+            )
             self.kcm.start()
-            self._wait(lambda: self._https_ok(f"https://127.0.0.1:{self.kcm_port}/healthz", verify=False),
-                       self.kcm, timeout)
+            self._wait(
+                lambda: self._https_ok(f"https://127.0.0.1:{self.kcm_port}/healthz", verify=False),
+                self.kcm,
+                timeout,
+            )
             if self.with_kubelet:
                 self.kubelet = Kubelet(
-                    self.api_client, server=self.server, ca_pem=self.ca_pem, root=self.root / "kubelet",
-                    node_name=self.node_name, extra_path=[str(self.bin_dir)],
-                    pythonpath=[str(REPO_ROOT)], k8s_version=build.K8S_VERSION,
+                    self.api_client,
+                    server=self.server,
+                    ca_pem=self.ca_pem,
+                    root=self.root / "kubelet",
+                    node_name=self.node_name,
+                    extra_path=[str(self.bin_dir)],
+                    pythonpath=[str(REPO_ROOT)],
+                    k8s_version=build.K8S_VERSION,
                 )
                 self.kubelet.start()
             # The cluster is usable once the service-account controller works.
@@ -223,13 +301,17 @@ class Cluster:
             self.apiserver.start()
             self._wait(lambda: self._https_ok(f"{self.server}/readyz"), self.apiserver, timeout)
 
-    def stop_apiserver(self) -> None:
+    def stop_apiserver(self, grace: float = 3.0) -> None:
+        """SIGTERM kube-apiserver, SIGKILL after ``grace`` seconds. (Its graceful shutdown stops
+        serving at once but the process then lingers for a long time, hence the short grace.)"""
         with self._lock:
-            self.apiserver.stop(grace=15)
+            self.apiserver.stop(grace=grace)
 
-    def restart_apiserver(self, downtime: float = 0.0, timeout: float = 180.0) -> None:
+    def restart_apiserver(
+        self, downtime: float = 0.0, timeout: float = 180.0, grace: float = 3.0
+    ) -> None:
         """Stop kube-apiserver and start it again on the same port with the same etcd data."""
-        self.stop_apiserver()
+        self.stop_apiserver(grace=grace)
         if downtime:
             time.sleep(downtime)
         self.start_apiserver(timeout=timeout)
@@ -244,9 +326,9 @@ class Cluster:
                 self.kubelet.stop()
             except Exception as e:  # pragma: no cover
                 print(f"[e2e-cluster] kubelet stop failed: {e}", file=sys.stderr)
-        for p in (self.kcm, self.apiserver, self.etcd):
+        for p, grace in ((self.kcm, 5), (self.apiserver, 3), (self.etcd, 5)):
             if p is not None:
-                p.stop(grace=10)
+                p.stop(grace=grace)
         if self.keep:
             print(f"[e2e-cluster] kept {self.root}", file=sys.stderr)
         else:
@@ -275,7 +357,9 @@ class Cluster:
                 raise ClusterError(f"{proc.name} exited:\n{proc.log_tail()}")
             time.sleep(0.25)
         tail = proc.log_tail() if proc is not None else ""
-        raise ClusterError(f"timed out after {timeout}s waiting for {getattr(cond, '__name__', cond)}\n{tail}")
+        raise ClusterError(
+            f"timed out after {timeout}s waiting for {getattr(cond, '__name__', cond)}\n{tail}"
+        )
 
     @staticmethod
     def _http_ok(url: str) -> bool:
@@ -303,23 +387,33 @@ class Cluster:
             return False
 
     def _default_sa_exists(self) -> bool:
-        r = self.kubectl("get", "serviceaccount", "default", "-n", "default", check=False, timeout=15)
+        r = self.kubectl(
+            "get", "serviceaccount", "default", "-n", "default", check=False, timeout=15
+        )
         return r.returncode == 0
 
     # ---------------------------------------------------------------- clients
-    def kubectl(self, *args, check: bool = True, input: str | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess:
+    def kubectl(
+        self, *args, check: bool = True, input: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
         return self._run([self._bin("kubectl"), *args], check, input, timeout)
 
-    def helm(self, *args, check: bool = True, input: str | None = None,
-             timeout: float = 300) -> subprocess.CompletedProcess:
+    def helm(
+        self, *args, check: bool = True, input: str | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess:
         return self._run([self._bin("helm"), *args], check, input, timeout)
 
     def _run(self, argv, check, input, timeout) -> subprocess.CompletedProcess:
-        r = subprocess.run([str(a) for a in argv], env=self.env, input=input, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
+        r = subprocess.run(
+            [str(a) for a in argv],
+            env=self.env,
+            input=input,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
         if check and r.returncode != 0:
-            raise subprocess.CalledProcessError(r.returncode, r.args, r.stdout, r.stderr)
+            raise CommandError(r.returncode, r.args, r.stdout, r.stderr)
         return r
 
     def api_client(self, pool_maxsize: int | None = None):
@@ -329,8 +423,9 @@ class Cluster:
         cfg = client.Configuration()
         if pool_maxsize:
             cfg.connection_pool_maxsize = pool_maxsize
-        loader = config.kube_config.KubeConfigLoader(config_dict=self.admin_config,
-                                                     temp_file_path=str(self.root / "pki"))
+        loader = config.kube_config.KubeConfigLoader(
+            config_dict=self.admin_config, temp_file_path=str(self.root / "pki")
+        )
         loader.load_and_set(cfg)
         cfg.retries = 0
         return client.ApiClient(configuration=cfg)
@@ -341,23 +436,38 @@ class Cluster:
         return self.kubelet.pod_log(namespace, name, container)
 
     def info(self) -> dict:
-        return {"server": self.server, "kubeconfig": str(self.kubeconfig), "bin_dir": str(self.bin_dir),
-                "root": str(self.root), "etcd": f"http://127.0.0.1:{self.etcd_port}"}
+        return {
+            "server": self.server,
+            "kubeconfig": str(self.kubeconfig),
+            "bin_dir": str(self.bin_dir),
+            "root": str(self.root),
+            "etcd": f"http://127.0.0.1:{self.etcd_port}",
+        }
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Run the jobrunner e2e Kubernetes cluster in the foreground.")
-    ap.add_argument("--kubeconfig", default=str(DEFAULT_KUBECONFIG), help="where to write the admin kubeconfig")
+    ap = argparse.ArgumentParser(
+        description="Run the jobrunner e2e Kubernetes cluster in the foreground."
+    )
+    ap.add_argument(
+        "--kubeconfig", default=str(DEFAULT_KUBECONFIG), help="where to write the admin kubeconfig"
+    )
     ap.add_argument("--no-kubelet", action="store_true", help="control plane only")
-    ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, etcd data) on exit")
+    ap.add_argument(
+        "--keep", action="store_true", help="keep the temp dir (logs, etcd data) on exit"
+    )
     a = ap.parse_args(argv)
-    if not build.binaries_present():
-        if not build.go_available():
-            print("e2e binaries are missing and `go` is not installed", file=sys.stderr)
-            return 2
+    if not build.binaries_present() and not build.go_available():
+        print("e2e binaries are missing and `go` is not installed", file=sys.stderr)
+        return 2
     bin_dir = build.ensure_binaries()
-    cluster = Cluster(bin_dir, kubeconfig_path=a.kubeconfig, keep=a.keep,
-                      with_kubelet=not a.no_kubelet, quiet=False)
+    cluster = Cluster(
+        bin_dir,
+        kubeconfig_path=a.kubeconfig,
+        keep=a.keep,
+        with_kubelet=not a.no_kubelet,
+        quiet=False,
+    )
     stop = threading.Event()
 
     def _sig(signum, frame):
@@ -369,9 +479,12 @@ def main(argv=None) -> int:
     try:
         print(Path(cluster.kubeconfig).read_text())
         print(json.dumps(cluster.info(), indent=2))
-        print(f"\nexport KUBECONFIG={cluster.kubeconfig} PATH={bin_dir}:$PATH\n"
-              "# pods run as local processes; logs: "
-              f"{cluster.root / 'kubelet' / 'logs'}\n# Ctrl-C to stop", flush=True)
+        print(
+            f"\nexport KUBECONFIG={cluster.kubeconfig} PATH={bin_dir}:$PATH\n"
+            "# pods run as local processes; logs: "
+            f"{cluster.root / 'kubelet' / 'logs'}\n# Ctrl-C to stop",
+            flush=True,
+        )
         while not stop.wait(1):
             for p in (cluster.etcd, cluster.apiserver, cluster.kcm):
                 if not p.alive():

@@ -60,7 +60,7 @@ def now_rfc3339() -> str:
 
 def now_micro() -> str:
     t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + ".%06dZ" % int((t % 1) * 1e6)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int((t % 1) * 1e6):06d}Z"
 
 
 # --------------------------------------------------------------------------- REST
@@ -96,13 +96,26 @@ class Rest:
                 h["Authorization"] = f"{prefix} {keys[k]}".strip()
         return h
 
-    def request(self, method: str, path: str, body=None, query: dict | None = None,
-                content_type: str = "application/json", timeout: float = 20.0, stream: bool = False):
+    def request(
+        self,
+        method: str,
+        path: str,
+        body=None,
+        query: dict | None = None,
+        content_type: str = "application/json",
+        timeout: float = 20.0,
+        stream: bool = False,
+    ):
         url = self.host + path + (("?" + urlencode(query)) if query else "")
         data = json.dumps(body).encode() if body is not None else None
         r = self.pm.request(
-            method, url, body=data, headers=self._headers(content_type if data is not None else None),
-            timeout=urllib3.Timeout(connect=5.0, read=timeout), preload_content=not stream, retries=False,
+            method,
+            url,
+            body=data,
+            headers=self._headers(content_type if data is not None else None),
+            timeout=urllib3.Timeout(connect=5.0, read=timeout),
+            preload_content=not stream,
+            retries=False,
         )
         if stream:
             if r.status >= 400:
@@ -186,7 +199,7 @@ class ContainerState:
 class PodRuntime:
     """Runs one pod; its own thread orchestrates containers and status."""
 
-    def __init__(self, kubelet: "Kubelet", pod: dict):
+    def __init__(self, kubelet: Kubelet, pod: dict):
         self.k = kubelet
         self.pod = pod
         m = pod["metadata"]
@@ -215,7 +228,9 @@ class PodRuntime:
         self.log_dir = self.k.root / "logs" / self.ns / self.name / self.uid
         self.workdir = self.dir / "work"
         self.sa_dir: Path | None = None
-        self.thread = threading.Thread(target=self._main, name=f"pod-{self.ns}/{self.name}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._main, name=f"pod-{self.ns}/{self.name}", daemon=True
+        )
 
     # ------------------------------------------------------------ public
     def start(self):
@@ -224,7 +239,7 @@ class PodRuntime:
     def update(self, pod: dict):
         with self.lock:
             self.pod = pod
-            ann = (pod["metadata"].get("annotations") or {})
+            ann = pod["metadata"].get("annotations") or {}
             kill = ann.get(KILL_ANNOTATION)
         if kill and kill != self.handled_kill:
             self.handled_kill = kill
@@ -244,9 +259,9 @@ class PodRuntime:
         n = 0
         with self.lock:
             for c in self.init + self.main:
-                if (container is None or c.name == container) and c.running():
-                    if kill_group(c.popen.pid, sig):
-                        n += 1
+                wanted = container is None or c.name == container
+                if wanted and c.running() and kill_group(c.popen.pid, sig):
+                    n += 1
         self.k.log(f"signal {sig} -> {n} container(s) of {self.ns}/{self.name}")
         return n
 
@@ -281,8 +296,9 @@ class PodRuntime:
         elif self._deletion()[0]:  # already being deleted: never start it
             self.stopping = True
         else:
-            threading.Thread(target=self._containers, daemon=True,
-                             name=f"containers-{self.ns}/{self.name}").start()
+            threading.Thread(
+                target=self._containers, daemon=True, name=f"containers-{self.ns}/{self.name}"
+            ).start()
         term_deadline = None
         deleted_api = False
         while True:
@@ -307,11 +323,17 @@ class PodRuntime:
             if dts and grace is not None and term_deadline is not None:
                 term_deadline = min(term_deadline, time.monotonic() + grace)
             ad = self.spec.get("activeDeadlineSeconds")
-            if (ad is not None and not self.stopping and self.phase not in ("Succeeded", "Failed")
-                    and time.monotonic() - self.active_since > ad):
+            if (
+                ad is not None
+                and not self.stopping
+                and self.phase not in ("Succeeded", "Failed")
+                and time.monotonic() - self.active_since > ad
+            ):
                 self.stopping = True
-                self.reason, self.message = "DeadlineExceeded", \
-                    f"Pod was active on the node longer than the specified deadline"
+                self.reason, self.message = (
+                    "DeadlineExceeded",
+                    "Pod was active on the node longer than the specified deadline",
+                )
                 self._terminate(self._grace())
                 self.phase = "Failed"
                 self.dirty = True
@@ -361,9 +383,14 @@ class PodRuntime:
     def _delete_now(self) -> bool:
         try:
             self.k.rest.request(
-                "DELETE", pod_path(self.ns, self.name),
-                body={"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
-                      "preconditions": {"uid": self.uid}},
+                "DELETE",
+                pod_path(self.ns, self.name),
+                body={
+                    "apiVersion": "v1",
+                    "kind": "DeleteOptions",
+                    "gracePeriodSeconds": 0,
+                    "preconditions": {"uid": self.uid},
+                },
             )
             self.k.log(f"deleted {self.ns}/{self.name}")
             return True
@@ -389,8 +416,15 @@ class PodRuntime:
                     c.state = {"waiting": {"reason": "ContainerCreating"}}
             self.dirty = True
             self.changed.set()
-            threads = [threading.Thread(target=self._run_container, args=(c,), daemon=True,
-                                        name=f"ctr-{self.ns}/{self.name}/{c.name}") for c in self.main]
+            threads = [
+                threading.Thread(
+                    target=self._run_container,
+                    args=(c,),
+                    daemon=True,
+                    name=f"ctr-{self.ns}/{self.name}/{c.name}",
+                )
+                for c in self.main
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -423,11 +457,19 @@ class PodRuntime:
                 env = self._container_env(c.spec)
                 argv, cwd = self._argv_cwd(c.spec, env)
             except ConfigError as e:
-                self._set(c, state={"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}})
+                if c.state.get("waiting", {}).get("message") != str(e):
+                    self.k.log(f"{self.ns}/{self.name}/{c.name}: CreateContainerConfigError: {e}")
+                self._set(
+                    c,
+                    state={"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}},
+                )
                 self._sleep(2.0)
                 continue
             except Exception as e:  # API unreachable etc.: retry like the kubelet
-                self._set(c, state={"waiting": {"reason": "ContainerCreating", "message": str(e)[:200]}})
+                self.k.log(f"{self.ns}/{self.name}/{c.name}: preparing: {type(e).__name__}: {e}")
+                self._set(
+                    c, state={"waiting": {"reason": "ContainerCreating", "message": str(e)[:200]}}
+                )
                 self._sleep(1.0)
                 continue
             log_path = self.log_dir / f"{c.name}-{c.restart_count}.log"
@@ -439,11 +481,21 @@ class PodRuntime:
                 try:
                     with open(log_path, "ab") as log:
                         popen = subprocess.Popen(
-                            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                            argv,
+                            cwd=cwd,
+                            env=env,
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                            preexec_fn=_die_with_parent,
                         )
                 except OSError as e:
-                    code, reason, message = 128, "StartError", f"failed to start container process: {e}"
+                    code, reason, message = (
+                        128,
+                        "StartError",
+                        f"failed to start container process: {e}",
+                    )
                     with open(log_path, "ab") as log:
                         log.write((message + "\n").encode())
                 else:
@@ -455,15 +507,22 @@ class PodRuntime:
             if code is None:
                 self.k.log(f"started {self.ns}/{self.name}/{c.name} pid {c.popen.pid}: {argv}")
                 rc = c.popen.wait()
-                kill_group(c.popen.pid, signal.SIGKILL)  # the "container" dies with its main process
+                kill_group(
+                    c.popen.pid, signal.SIGKILL
+                )  # the "container" dies with its main process
                 code = rc if rc >= 0 else 128 + (-rc)
                 reason = "Completed" if code == 0 else "Error"
                 self.k.log(f"exited {self.ns}/{self.name}/{c.name} code {code}")
-            term = {"exitCode": code, "reason": reason, "startedAt": started, "finishedAt": now_rfc3339(),
-                    "containerID": f"process://{c.popen.pid if c.popen else 0}"}
+            term = {
+                "exitCode": code,
+                "reason": reason,
+                "startedAt": started,
+                "finishedAt": now_rfc3339(),
+                "containerID": f"process://{c.popen.pid if c.popen else 0}",
+            }
             if message:
                 term["message"] = message
-            if code != 0 and code < 128 or reason == "StartError":
+            if (code != 0 and code < 128) or reason == "StartError":
                 pass
             restart = (not self.stopping) and self._restart_wanted(c, code)
             if not restart:
@@ -474,9 +533,13 @@ class PodRuntime:
             waiting_reason = "CrashLoopBackOff"
             with self.lock:
                 c.last_state = {"terminated": term}
-                c.state = {"waiting": {"reason": waiting_reason,
-                                       "message": f"back-off {delay:.0f}s restarting failed container="
-                                                  f"{c.name} pod={self.name}_{self.ns}({self.uid})"}}
+                c.state = {
+                    "waiting": {
+                        "reason": waiting_reason,
+                        "message": f"back-off {delay:.0f}s restarting failed container="
+                        f"{c.name} pod={self.name}_{self.ns}({self.uid})",
+                    }
+                }
                 c.restart_count += 1
                 self.dirty = True
             self.changed.set()
@@ -515,7 +578,6 @@ class PodRuntime:
 
     # ------------------------------------------------------------ env
     def _container_env(self, spec: dict) -> dict:
-        pod = self.pod
         base = {
             "PATH": self.k.child_path,
             "HOME": str(self.workdir),
@@ -565,10 +627,13 @@ class PodRuntime:
             if e.status == 404:
                 if optional:
                     return None
-                raise ConfigError(f'{kind[:-1]} "{name}" not found')
+                raise ConfigError(f'{kind[:-1]} "{name}" not found') from None
             raise
         if decode:
-            return {k: base64.b64decode(v).decode(errors="replace") for k, v in (obj.get("data") or {}).items()}
+            return {
+                k: base64.b64decode(v).decode(errors="replace")
+                for k, v in (obj.get("data") or {}).items()
+            }
         out = dict(obj.get("data") or {})
         for k, v in (obj.get("binaryData") or {}).items():
             out.setdefault(k, base64.b64decode(v).decode(errors="replace"))
@@ -579,10 +644,14 @@ class PodRuntime:
         if "fieldRef" in vf:
             path = vf["fieldRef"]["fieldPath"]
             simple = {
-                "metadata.name": m.get("name"), "metadata.namespace": m.get("namespace"),
-                "metadata.uid": m.get("uid"), "spec.nodeName": self.k.node_name,
+                "metadata.name": m.get("name"),
+                "metadata.namespace": m.get("namespace"),
+                "metadata.uid": m.get("uid"),
+                "spec.nodeName": self.k.node_name,
                 "spec.serviceAccountName": self.spec.get("serviceAccountName") or "default",
-                "status.hostIP": POD_IP, "status.hostIPs": POD_IP, "status.podIP": POD_IP,
+                "status.hostIP": POD_IP,
+                "status.hostIPs": POD_IP,
+                "status.podIP": POD_IP,
                 "status.podIPs": POD_IP,
             }
             if path in simple:
@@ -597,17 +666,28 @@ class PodRuntime:
         if "resourceFieldRef" in vf:
             r = vf["resourceFieldRef"]
             cname = r.get("containerName") or spec["name"]
-            cspec = next((c for c in (self.spec.get("containers") or []) + (self.spec.get("initContainers") or [])
-                          if c["name"] == cname), spec)
+            cspec = next(
+                (
+                    c
+                    for c in (self.spec.get("containers") or [])
+                    + (self.spec.get("initContainers") or [])
+                    if c["name"] == cname
+                ),
+                spec,
+            )
             kind, _, res = r["resource"].partition(".")
             q = ((cspec.get("resources") or {}).get(kind) or {}).get(res)
             if q is None and kind == "requests":
                 q = ((cspec.get("resources") or {}).get("limits") or {}).get(res)
             if q is None:
                 q = self.k.allocatable.get(res, "0")
-            val = _parse_quantity(q) / _parse_quantity(r.get("divisor") or "1")
-            return str(int(math.ceil(val)))
-        for key, kind, decode in (("secretKeyRef", "secrets", True), ("configMapKeyRef", "configmaps", False)):
+            divisor = _parse_quantity(r.get("divisor") or "1") or Decimal(1)
+            val = _parse_quantity(q) / divisor
+            return str(math.ceil(val))
+        for key, kind, decode in (
+            ("secretKeyRef", "secrets", True),
+            ("configMapKeyRef", "configmaps", False),
+        ):
             if key in vf:
                 ref = vf[key]
                 data = self._get_obj(kind, ref, decode)
@@ -616,7 +696,9 @@ class PodRuntime:
                 if ref["key"] not in data:
                     if ref.get("optional"):
                         return None
-                    raise ConfigError(f'couldn\'t find key {ref["key"]} in {kind[:-1]} {self.ns}/{ref.get("name")}')
+                    raise ConfigError(
+                        f"couldn't find key {ref['key']} in {kind[:-1]} {self.ns}/{ref.get('name')}"
+                    )
                 return data[ref["key"]]
         raise ConfigError(f"unsupported valueFrom {vf}")
 
@@ -627,7 +709,9 @@ class PodRuntime:
         automount = self.spec.get("automountServiceAccountToken")
         if automount is None:
             try:
-                obj = self.k.rest.get(f"/api/v1/namespaces/{quote(self.ns)}/serviceaccounts/{quote(sa)}")
+                obj = self.k.rest.get(
+                    f"/api/v1/namespaces/{quote(self.ns)}/serviceaccounts/{quote(sa)}"
+                )
                 automount = obj.get("automountServiceAccountToken")
             except ApiError as e:
                 if e.status != 404:
@@ -635,11 +719,21 @@ class PodRuntime:
         if automount is False:
             return None
         tr = self.k.rest.request(
-            "POST", f"/api/v1/namespaces/{quote(self.ns)}/serviceaccounts/{quote(sa)}/token",
-            body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                  "spec": {"expirationSeconds": self.k.token_seconds,
-                           "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
-                                              "name": self.name, "uid": self.uid}}},
+            "POST",
+            f"/api/v1/namespaces/{quote(self.ns)}/serviceaccounts/{quote(sa)}/token",
+            body={
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenRequest",
+                "spec": {
+                    "expirationSeconds": self.k.token_seconds,
+                    "boundObjectRef": {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "name": self.name,
+                        "uid": self.uid,
+                    },
+                },
+            },
         )
         token = tr["status"]["token"]
         d = self.dir / "serviceaccount"
@@ -648,12 +742,24 @@ class PodRuntime:
         (d / "ca.crt").write_bytes(self.k.ca_pem)
         (d / "namespace").write_text(self.ns)
         cfg = {
-            "apiVersion": "v1", "kind": "Config",
-            "clusters": [{"name": "in-cluster", "cluster": {
-                "server": self.k.server, "certificate-authority": str(d / "ca.crt")}}],
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "in-cluster",
+                    "cluster": {
+                        "server": self.k.server,
+                        "certificate-authority": str(d / "ca.crt"),
+                    },
+                }
+            ],
             "users": [{"name": sa, "user": {"tokenFile": str(d / "token")}}],
-            "contexts": [{"name": "in-cluster", "context": {"cluster": "in-cluster", "user": sa,
-                                                            "namespace": self.ns}}],
+            "contexts": [
+                {
+                    "name": "in-cluster",
+                    "context": {"cluster": "in-cluster", "user": sa, "namespace": self.ns},
+                }
+            ],
             "current-context": "in-cluster",
         }
         # client-go wants `tokenFile`, the Python client reads `token`: give both.
@@ -668,11 +774,11 @@ class PodRuntime:
             old = self.phase
             if self.phase in ("Succeeded", "Failed") and not final:
                 return
-            init_failed = any(c.done and "terminated" in c.state and c.state["terminated"]["exitCode"] != 0
-                              for c in self.init)
-            if init_failed:
-                self.phase = "Failed"
-            elif self.reason == "DeadlineExceeded":
+            init_failed = any(
+                c.done and "terminated" in c.state and c.state["terminated"]["exitCode"] != 0
+                for c in self.init
+            )
+            if init_failed or self.reason == "DeadlineExceeded":
                 self.phase = "Failed"
             elif self.main and all(c.done for c in self.main):
                 codes = [c.state["terminated"]["exitCode"] for c in self.main]
@@ -684,12 +790,25 @@ class PodRuntime:
                     t = c.state.get("terminated")
                     codes.append(t["exitCode"] if t else 137 if c.started_once else None)
                     if not t:
-                        c.state = {"terminated": {"exitCode": 137, "reason": "ContainerStatusUnknown",
-                                                  "message": "The container could not be located when the pod was terminated",
-                                                  "startedAt": None, "finishedAt": now_rfc3339()}} \
-                            if not c.started_once else c.state
-                if all(x == 0 for x in codes if x is not None) and all(x is not None for x in codes) \
-                        and self.spec.get("restartPolicy") != "Always":
+                        c.state = (
+                            {
+                                "terminated": {
+                                    "exitCode": 137,
+                                    "reason": "ContainerStatusUnknown",
+                                    "message": "The container could not be located when "
+                                    "the pod was terminated",
+                                    "startedAt": None,
+                                    "finishedAt": now_rfc3339(),
+                                }
+                            }
+                            if not c.started_once
+                            else c.state
+                        )
+                if (
+                    all(x == 0 for x in codes if x is not None)
+                    and all(x is not None for x in codes)
+                    and self.spec.get("restartPolicy") != "Always"
+                ):
                     self.phase = "Succeeded"
                 else:
                     self.phase = "Failed"
@@ -703,26 +822,40 @@ class PodRuntime:
 
     def _conditions(self) -> list:
         terminal = self.phase in ("Succeeded", "Failed")
-        all_ready = bool(self.main) and all("running" in c.state for c in self.main) and not terminal
+        all_ready = (
+            bool(self.main) and all("running" in c.state for c in self.main) and not terminal
+        )
         want = {
             "PodReadyToStartContainers": not terminal or self._any_running(),
             "Initialized": self.init_done,
             "ContainersReady": all_ready,
             "Ready": all_ready,
         }
-        reasons = {"ContainersReady": "ContainersNotReady", "Ready": "ContainersNotReady",
-                   "Initialized": "ContainersNotInitialized"}
+        reasons = {
+            "ContainersReady": "ContainersNotReady",
+            "Ready": "ContainersNotReady",
+            "Initialized": "ContainersNotInitialized",
+        }
         if terminal:
-            reasons.update({"ContainersReady": "PodCompleted", "Ready": "PodCompleted",
-                            "Initialized": "PodCompleted"})
+            reasons.update(
+                {
+                    "ContainersReady": "PodCompleted",
+                    "Ready": "PodCompleted",
+                    "Initialized": "PodCompleted",
+                }
+            )
         out = []
         for t in OWN_CONDITIONS:
             status = "True" if want[t] else "False"
             prev = self.cond_times.get(t)
             if prev is None or prev[0] != status:
                 self.cond_times[t] = (status, now_rfc3339())
-            c = {"type": t, "status": status, "lastProbeTime": None,
-                 "lastTransitionTime": self.cond_times[t][1]}
+            c = {
+                "type": t,
+                "status": status,
+                "lastProbeTime": None,
+                "lastTransitionTime": self.cond_times[t][1],
+            }
             if status == "False" and t in reasons:
                 c["reason"] = reasons[t]
             out.append(c)
@@ -732,22 +865,33 @@ class PodRuntime:
         st = dict(current.get("status") or {})
         foreign = [c for c in st.get("conditions") or [] if c.get("type") not in OWN_CONDITIONS]
         with self.lock:
-            st.update({
-                "phase": self.phase,
-                "hostIP": POD_IP, "hostIPs": [{"ip": POD_IP}],
-                "podIP": POD_IP, "podIPs": [{"ip": POD_IP}],
-                "startTime": st.get("startTime") or self.start_time,
-                "conditions": foreign + self._conditions(),
-                "containerStatuses": [c.status() for c in self.main],
-            })
+            st.update(
+                {
+                    "phase": self.phase,
+                    "hostIP": POD_IP,
+                    "hostIPs": [{"ip": POD_IP}],
+                    "podIP": POD_IP,
+                    "podIPs": [{"ip": POD_IP}],
+                    "startTime": st.get("startTime") or self.start_time,
+                    "conditions": foreign + self._conditions(),
+                    "containerStatuses": [c.status() for c in self.main],
+                }
+            )
             if self.init:
                 st["initContainerStatuses"] = [c.status() for c in self.init]
             if self.reason:
                 st["reason"], st["message"] = self.reason, self.message
             self.dirty = False
         if not any(c.get("type") == "PodScheduled" for c in st["conditions"]):
-            st["conditions"].insert(0, {"type": "PodScheduled", "status": "True", "lastProbeTime": None,
-                                        "lastTransitionTime": self.start_time})
+            st["conditions"].insert(
+                0,
+                {
+                    "type": "PodScheduled",
+                    "status": "True",
+                    "lastProbeTime": None,
+                    "lastTransitionTime": self.start_time,
+                },
+            )
         return st
 
     def _push_status(self) -> bool:
@@ -788,14 +932,25 @@ def _parse_signal(v) -> int:
     try:
         return int(getattr(signal, v))
     except AttributeError:
-        raise ValueError(v)
+        raise ValueError(v) from None
 
 
 # --------------------------------------------------------------------- kubelet
 class Kubelet:
-    def __init__(self, api_client_factory, server: str, ca_pem: bytes, root: Path, node_name: str = "e2e-node",
-                 extra_path=(), pythonpath=(), k8s_version: str = "v0.0.0", restart_backoff=(1.0, 16.0),
-                 token_seconds: int = 86400, verbose: bool | None = None):
+    def __init__(
+        self,
+        api_client_factory,
+        server: str,
+        ca_pem: bytes,
+        root: Path,
+        node_name: str = "e2e-node",
+        extra_path=(),
+        pythonpath=(),
+        k8s_version: str = "v0.0.0",
+        restart_backoff=(1.0, 16.0),
+        token_seconds: int = 86400,
+        verbose: bool | None = None,
+    ):
         self._factory = api_client_factory
         self.server = server
         self.ca_pem = ca_pem
@@ -806,10 +961,18 @@ class Kubelet:
         self.token_seconds = token_seconds
         self.pythonpath = list(pythonpath)
         py_bin = os.path.dirname(sys.executable)
-        self.child_path = os.pathsep.join([py_bin, *extra_path, os.environ.get("PATH", "/usr/bin:/bin")])
-        self.verbose = bool(os.environ.get("JOBRUNNER_E2E_KUBELET_VERBOSE")) if verbose is None else verbose
-        self.allocatable = {"cpu": str(os.cpu_count() or 2), "memory": "16Gi", "pods": "110",
-                            "ephemeral-storage": "50Gi"}
+        self.child_path = os.pathsep.join(
+            [py_bin, *extra_path, os.environ.get("PATH", "/usr/bin:/bin")]
+        )
+        self.verbose = (
+            bool(os.environ.get("JOBRUNNER_E2E_KUBELET_VERBOSE")) if verbose is None else verbose
+        )
+        self.allocatable = {
+            "cpu": str(os.cpu_count() or 2),
+            "memory": "16Gi",
+            "pods": "110",
+            "ephemeral-storage": "50Gi",
+        }
         self.stopping = threading.Event()
         self._lock = threading.RLock()
         self.runtimes: dict[str, PodRuntime] = {}  # uid -> runtime
@@ -817,6 +980,7 @@ class Kubelet:
         self._threads: list[threading.Thread] = []
         self._node_ok = False
         self._log_file = None
+        self._watch_resp = None
         self.rest = Rest(self._new_client())
 
     def _new_client(self):
@@ -836,9 +1000,12 @@ class Kubelet:
     # ------------------------------------------------------------ lifecycle
     def start(self):
         self.root.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(self.root / "kubelet.log", "a")
-        for target, name in ((self._node_loop, "kubelet-node"), (self._watch_loop, "kubelet-watch"),
-                             (self._resync_loop, "kubelet-resync")):
+        self._log_file = open(self.root / "kubelet.log", "a")  # noqa: SIM115 (closed in stop)
+        for target, name in (
+            (self._node_loop, "kubelet-node"),
+            (self._watch_loop, "kubelet-watch"),
+            (self._resync_loop, "kubelet-resync"),
+        ):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -851,8 +1018,14 @@ class Kubelet:
             rt.changed.set()
         for rt in rts:
             rt.finished.wait(timeout=10)
+        resp = self._watch_resp
+        if resp is not None:  # unblock the watch thread's read
+            try:
+                resp.shutdown() if hasattr(resp, "shutdown") else resp.close()
+            except Exception:
+                pass
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=2)
         if self._log_file:
             self._log_file.close()
             self._log_file = None
@@ -863,10 +1036,17 @@ class Kubelet:
 
     def _node_body(self) -> dict:
         return {
-            "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": self.node_name, "labels": {
-                "kubernetes.io/hostname": self.node_name, "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64", "node.kubernetes.io/instance-type": "process"}},
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": self.node_name,
+                "labels": {
+                    "kubernetes.io/hostname": self.node_name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    "node.kubernetes.io/instance-type": "process",
+                },
+            },
             "spec": {},
         }
 
@@ -874,24 +1054,55 @@ class Kubelet:
         now = now_rfc3339()
 
         def cond(t, status, reason, msg):
-            return {"type": t, "status": status, "reason": reason, "message": msg,
-                    "lastHeartbeatTime": now, "lastTransitionTime": self._boot_time}
+            return {
+                "type": t,
+                "status": status,
+                "reason": reason,
+                "message": msg,
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": self._boot_time,
+            }
 
         return {
             "conditions": [
-                cond("MemoryPressure", "False", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
-                cond("DiskPressure", "False", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
-                cond("PIDPressure", "False", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+                cond(
+                    "MemoryPressure",
+                    "False",
+                    "KubeletHasSufficientMemory",
+                    "kubelet has sufficient memory available",
+                ),
+                cond(
+                    "DiskPressure",
+                    "False",
+                    "KubeletHasNoDiskPressure",
+                    "kubelet has no disk pressure",
+                ),
+                cond(
+                    "PIDPressure",
+                    "False",
+                    "KubeletHasSufficientPID",
+                    "kubelet has sufficient PID available",
+                ),
                 cond("Ready", "True", "KubeletReady", "process kubelet is posting ready status"),
             ],
-            "addresses": [{"type": "InternalIP", "address": POD_IP}, {"type": "Hostname", "address": self.node_name}],
-            "capacity": dict(self.allocatable), "allocatable": dict(self.allocatable),
+            "addresses": [
+                {"type": "InternalIP", "address": POD_IP},
+                {"type": "Hostname", "address": self.node_name},
+            ],
+            "capacity": dict(self.allocatable),
+            "allocatable": dict(self.allocatable),
             "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
             "nodeInfo": {
-                "machineID": self._machine_id, "systemUUID": self._machine_id, "bootID": self._boot_id,
-                "kernelVersion": platform.release(), "osImage": "jobrunner-e2e process kubelet",
-                "containerRuntimeVersion": "process://1.0", "kubeletVersion": self.k8s_version,
-                "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64",
+                "machineID": self._machine_id,
+                "systemUUID": self._machine_id,
+                "bootID": self._boot_id,
+                "kernelVersion": platform.release(),
+                "osImage": "jobrunner-e2e process kubelet",
+                "containerRuntimeVersion": "process://1.0",
+                "kubeletVersion": self.k8s_version,
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
             },
         }
 
@@ -933,12 +1144,31 @@ class Kubelet:
         except ApiError as e:
             if e.status != 404:
                 raise
-            self.rest.request("POST", "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases", body={
-                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.node_name, "namespace": "kube-node-lease", "ownerReferences": [{
-                    "apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": node["metadata"]["uid"]}]},
-                "spec": {"holderIdentity": self.node_name, "leaseDurationSeconds": 40, "renewTime": now_micro()},
-            })
+            self.rest.request(
+                "POST",
+                "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
+                body={
+                    "apiVersion": "coordination.k8s.io/v1",
+                    "kind": "Lease",
+                    "metadata": {
+                        "name": self.node_name,
+                        "namespace": "kube-node-lease",
+                        "ownerReferences": [
+                            {
+                                "apiVersion": "v1",
+                                "kind": "Node",
+                                "name": self.node_name,
+                                "uid": node["metadata"]["uid"],
+                            }
+                        ],
+                    },
+                    "spec": {
+                        "holderIdentity": self.node_name,
+                        "leaseDurationSeconds": 40,
+                        "renewTime": now_micro(),
+                    },
+                },
+            )
 
     # ------------------------------------------------------------ pods
     def _watch_loop(self):
@@ -965,9 +1195,19 @@ class Kubelet:
                     self.stopping.wait(1.0)
 
     def _watch_once(self, rest: Rest, rv: str) -> str:
-        r = rest.request("GET", "/api/v1/pods", query={
-            "watch": "true", "resourceVersion": rv, "allowWatchBookmarks": "true", "timeoutSeconds": "30"},
-            timeout=45, stream=True)
+        r = rest.request(
+            "GET",
+            "/api/v1/pods",
+            query={
+                "watch": "true",
+                "resourceVersion": rv,
+                "allowWatchBookmarks": "true",
+                "timeoutSeconds": "30",
+            },
+            timeout=45,
+            stream=True,
+        )
+        self._watch_resp = r
         try:
             buf = b""
             for chunk in r.stream(4096, decode_content=True):
@@ -993,6 +1233,7 @@ class Kubelet:
                     else:
                         self._on_pod(obj)
         finally:
+            self._watch_resp = None
             r.release_conn()
         return rv
 
@@ -1028,8 +1269,10 @@ class Kubelet:
                 return
             rt = self.runtimes.get(uid)
         if not node:
-            if not m.get("deletionTimestamp") and (spec.get("schedulerName") or "default-scheduler") \
-                    == "default-scheduler":
+            if (
+                not m.get("deletionTimestamp")
+                and (spec.get("schedulerName") or "default-scheduler") == "default-scheduler"
+            ):
                 self._bind(pod)
             return
         if node != self.node_name:
@@ -1048,11 +1291,16 @@ class Kubelet:
     def _bind(self, pod: dict):
         m = pod["metadata"]
         try:
-            self.rest.request("POST", pod_path(m["namespace"], m["name"], "binding"), body={
-                "apiVersion": "v1", "kind": "Binding",
-                "metadata": {"name": m["name"], "namespace": m["namespace"], "uid": m["uid"]},
-                "target": {"apiVersion": "v1", "kind": "Node", "name": self.node_name},
-            })
+            self.rest.request(
+                "POST",
+                pod_path(m["namespace"], m["name"], "binding"),
+                body={
+                    "apiVersion": "v1",
+                    "kind": "Binding",
+                    "metadata": {"name": m["name"], "namespace": m["namespace"], "uid": m["uid"]},
+                    "target": {"apiVersion": "v1", "kind": "Node", "name": self.node_name},
+                },
+            )
             self.log(f"bound {m['namespace']}/{m['name']} to {self.node_name}")
         except ApiError as e:
             if e.status not in (404, 409):
@@ -1067,7 +1315,9 @@ class Kubelet:
         live = [rt for rt in rts if not rt.finished.is_set()]
         return (live or rts or [None])[-1]
 
-    def kill_pod(self, namespace: str, name: str, sig: int = signal.SIGKILL, container: str | None = None) -> int:
+    def kill_pod(
+        self, namespace: str, name: str, sig: int = signal.SIGKILL, container: str | None = None
+    ) -> int:
         """Send ``sig`` to the process group of the pod's running container(s); returns how many."""
         rt = self._runtime(namespace, name)
         if rt is None:
@@ -1078,7 +1328,9 @@ class Kubelet:
         rt = self._runtime(namespace, name)
         return rt.pids() if rt else {}
 
-    def pod_log(self, namespace: str, name: str, container: str | None = None, previous: bool = False) -> str:
+    def pod_log(
+        self, namespace: str, name: str, container: str | None = None, previous: bool = False
+    ) -> str:
         """Combined stdout/stderr of a container (default: the pod's first container) of the
         most recent pod with that name; ``previous`` gives the instance before the last restart."""
         base = self.root / "logs" / namespace / name
@@ -1094,7 +1346,9 @@ class Kubelet:
                 if not names:
                     return ""
                 container = names[0]
-        files = sorted(uid_dir.glob(f"{container}-*.log"), key=lambda f: int(f.stem.rsplit("-", 1)[1]))
+        files = sorted(
+            uid_dir.glob(f"{container}-*.log"), key=lambda f: int(f.stem.rsplit("-", 1)[1])
+        )
         if not files:
             return ""
         f = files[-2] if previous and len(files) > 1 else files[-1]

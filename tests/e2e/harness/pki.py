@@ -51,7 +51,7 @@ class PKI:
     def __init__(self, directory: Path):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        now = _dt.datetime.now(_dt.timezone.utc)
+        now = _dt.datetime.now(_dt.UTC)
         self._not_before = now - _dt.timedelta(hours=1)
         self._not_after = now + _dt.timedelta(days=30)
         self._ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -67,13 +67,21 @@ class PKI:
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=True, key_cert_sign=True, crl_sign=True,
-                    content_commitment=False, key_encipherment=False, data_encipherment=False,
-                    key_agreement=False, encipher_only=False, decipher_only=False,
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
                 ),
                 critical=True,
             )
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._ca_key.public_key()), critical=False)
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(self._ca_key.public_key()), critical=False
+            )
             .sign(self._ca_key, hashes.SHA256())
         )
         self.ca = CertPair(self.dir / "ca.crt", self.dir / "ca.key")
@@ -81,8 +89,16 @@ class PKI:
         self.ca.key.write_bytes(_key_pem(self._ca_key))
         self.ca.key.chmod(0o600)
 
-    def issue(self, name: str, cn: str, orgs=(), server: bool = False, client: bool = False,
-              dns=(), ips=()) -> CertPair:
+    def issue(
+        self,
+        name: str,
+        cn: str,
+        orgs=(),
+        server: bool = False,
+        client: bool = False,
+        dns=(),
+        ips=(),
+    ) -> CertPair:
         key = ec.generate_private_key(ec.SECP256R1())
         usages = []
         if server:
@@ -100,18 +116,27 @@ class PKI:
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=True, key_encipherment=True, key_cert_sign=False, crl_sign=False,
-                    content_commitment=False, data_encipherment=False, key_agreement=False,
-                    encipher_only=False, decipher_only=False,
+                    digital_signature=True,
+                    key_encipherment=True,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    content_commitment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
                 ),
                 critical=True,
             )
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._ca_key.public_key()), critical=False
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._ca_key.public_key()),
+                critical=False,
             )
         )
-        sans = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+        sans = [x509.DNSName(d) for d in dns] + [
+            x509.IPAddress(ipaddress.ip_address(i)) for i in ips
+        ]
         if sans:
             b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = b.sign(self._ca_key, hashes.SHA256())

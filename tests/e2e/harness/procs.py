@@ -84,15 +84,26 @@ class Proc:
     def start(self) -> None:
         with self._lock:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = open(self.log_path, "ab")
-            log.write(f"\n===== {time.strftime('%H:%M:%S')} starting {self.name} =====\n".encode())
-            log.flush()
-            pre = _die_with_parent if threading.current_thread() is threading.main_thread() else None
-            self.popen = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self.env, cwd=self.cwd, start_new_session=True, preexec_fn=pre,
-            )
-            log.close()
+            with open(self.log_path, "ab") as log:
+                log.write(
+                    f"\n===== {time.strftime('%H:%M:%S')} starting {self.name} =====\n".encode()
+                )
+                log.flush()
+                pre = (
+                    _die_with_parent
+                    if threading.current_thread() is threading.main_thread()
+                    else None
+                )
+                self.popen = subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    cwd=self.cwd,
+                    start_new_session=True,
+                    preexec_fn=pre,
+                )
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
