@@ -28,6 +28,11 @@ REPO = Path(__file__).resolve().parent.parent
 TEMPLATE_DB = "jobrunner_test_template"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true",
+                     help="run the chaos soak at full size (50k tasks) instead of the CI size")
+
+
 def _with_db(dsn: str, dbname: str) -> str:
     params = conninfo_to_dict(dsn)
     params["dbname"] = dbname
