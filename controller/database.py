@@ -66,7 +66,7 @@ def _pool(dsn: str) -> ConnectionPool:
     with _lock:
         pool = _pools.get(dsn)
         if pool is None:
-            pool = ConnectionPool(dsn, min_size=0, max_size=4, open=True, timeout=10,
+            pool = ConnectionPool(dsn, min_size=0, max_size=4, open=True, timeout=5,
                                   kwargs={"row_factory": dict_row,
                                           "application_name": "jobrunner-controller",
                                           "connect_timeout": 5},
@@ -84,8 +84,19 @@ def queue_for(dsn: str) -> Iterator[Queue]:
                 migrate(conn)
                 _migrated.add(dsn)
             yield Queue(conn)
-    except (psycopg.OperationalError, psycopg.errors.AdminShutdown, PoolTimeout) as exc:
+    except PoolTimeout:
+        raise DatabaseProblem("DatabaseUnavailable", describe_error(_why(dsn), dsn)) from None
+    except (psycopg.OperationalError, psycopg.errors.AdminShutdown) as exc:
         raise DatabaseProblem("DatabaseUnavailable", describe_error(exc, dsn)) from None
+
+
+def _why(dsn: str) -> BaseException:
+    """The pool only says it timed out; one direct attempt tells the user why."""
+    try:
+        psycopg.connect(dsn, connect_timeout=5).close()
+    except psycopg.Error as exc:
+        return exc
+    return TimeoutError("no connection became available in time")
 
 
 def forget(dsn: str) -> None:

@@ -146,6 +146,8 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
     if st.get("phase") in TERMINAL:
         if st.get("observedGeneration") != generation:
             patch.status["observedGeneration"] = generation
+        if (st.get("counts") or {}).get("leased"):
+            _settle_leases(body, st, patch)
         return
 
     try:
@@ -203,6 +205,22 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
     new["conditions"] = conditions
     _apply(patch, st, new)
     metrics.record(ns, name, phase, counts)
+
+
+def _settle_leases(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
+    """A run that ended with tasks still leased (pods killed by the deadline): keep
+    rescuing and counting until their leases expired, so status shows where they went."""
+    try:
+        run = _parse(body)
+        secret, key = _db_secret(run)
+        with queue_for(read_dsn(body.metadata.namespace, secret, key)) as queue:
+            queue.expire()
+            counts = queue.counts(st["batchId"])
+            counts["stuck"] = queue.health(st["batchId"])["stuck"]
+    except (DatabaseProblem, BadInput):
+        return
+    counts["total"] = sum(counts[s] for s in ("pending", "leased", "done", "dead", "cancelled"))
+    _apply(patch, st, {"counts": counts})
 
 
 def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str) -> str:
