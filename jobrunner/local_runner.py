@@ -73,6 +73,7 @@ def _run(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, n_workers:
         else:
             queue.batch(batch_id)
         start = time.monotonic()
+        done_before = queue.counts(batch_id)["done"]
         procs = [_Proc(i, _spawn(spec, manifest, batch_id, dsn, i)) for i in range(n_workers)]
         interrupted = False
         try:
@@ -89,7 +90,7 @@ def _run(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, n_workers:
                 except subprocess.TimeoutExpired:
                     p.popen.kill()
         elapsed = time.monotonic() - start
-        return _summary(queue, batch_id, elapsed, n_workers, procs, interrupted)
+        return _summary(queue, batch_id, elapsed, n_workers, procs, interrupted, done_before)
 
 
 def _spawn(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, index: int
@@ -113,13 +114,13 @@ def _spawn(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, index: i
 
 def _watch(queue: Queue, batch_id: str, procs: list[_Proc], spec: BatchRunSpec,
            manifest: Path, dsn: str) -> None:
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("dead [red]{task.fields[dead]}[/]  in flight {task.fields[leased]}  "
-                          "retrying {task.fields[retrying]}"),
-               TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+    columns = [BarColumn(bar_width=24), MofNCompleteColumn(),
+               TextColumn("dead [red]{task.fields[dead]}[/] · in flight {task.fields[leased]} · "
+                          "retrying {task.fields[retrying]} · {task.fields[rate]}"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     started = time.monotonic()
     with Progress(*columns, console=console, transient=False, refresh_per_second=8) as progress:
-        bar = progress.add_task(batch_id, total=None, dead=0, leased=0, retrying=0, rate="")
+        bar = progress.add_task("", total=None, dead=0, leased=0, retrying=0, rate="")
         first_done: int | None = None
         while True:
             counts = queue.counts(batch_id)
@@ -150,7 +151,7 @@ def _watch(queue: Queue, batch_id: str, procs: list[_Proc], spec: BatchRunSpec,
 
 
 def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs: list[_Proc],
-             interrupted: bool) -> int:
+             interrupted: bool, done_before: int) -> int:
     counts = queue.counts(batch_id)
     stats = queue.conn.execute(
         "SELECT coalesce(sum(attempts), 0) AS attempts, count(*) AS tasks,"
@@ -169,8 +170,10 @@ def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs:
         ("still leased", counts["leased"]), ("retries", max(retries, 0)),
         ("workers", n_workers),
         ("worker restarts", sum(p.restarts for p in procs)),
+        ("done in this run", counts["done"] - done_before),
         ("elapsed", f"{elapsed:.1f}s"),
-        ("throughput", f"{counts['done'] / elapsed:.1f} tasks/s" if elapsed else "-"),
+        ("throughput", f"{(counts['done'] - done_before) / elapsed:.1f} tasks/s"
+         if elapsed else "-"),
     ]
     for name, value in rows:
         table.add_row(name, str(value))
@@ -181,6 +184,9 @@ def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs:
                       f"{batch_id}`):")
         for row in dead:
             console.print(f"  {row['task_key']}: {(row['last_error'] or '')[:160]}")
+    if total and counts["done"] == done_before == total:
+        console.print(f"batch {batch_id} was already complete: nothing to do. Run it again "
+                      "under a new id with --batch NEW-ID.")
     if interrupted:
         return 130
     if counts["pending"] or counts["leased"]:
