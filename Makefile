@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint e2e-bins system-deps cluster bench clean
+.PHONY: demo test lint e2e-bins system-deps cluster bench kind-e2e clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +29,10 @@ e2e-bins: $(VENV)/.installed
 	$(PY) -m tests.e2e.harness.build
 
 system-deps:
-	@command -v pgbouncer >/dev/null || { \
+	@{ command -v pgbouncer && command -v shellcheck; } >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y -qq pgbouncer >/dev/null; \
-	  else echo "pgbouncer missing: sudo apt-get install pgbouncer" >&2; exit 1; fi; }
+	    apt-get install -y -qq pgbouncer shellcheck >/dev/null; \
+	  else echo "missing: sudo apt-get install pgbouncer shellcheck" >&2; exit 1; fi; }
 
 # A real control plane on 127.0.0.1 in the foreground; kubeconfig in .e2e/kubeconfig.
 cluster: e2e-bins
@@ -41,6 +41,10 @@ cluster: e2e-bins
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench
+
+# For a user with Docker and kind: a real cluster, the image, the chart, the example.
+kind-e2e:
+	hack/kind-e2e.sh
 
 clean:
 	rm -rf $(VENV) .e2e .pytest_cache .ruff_cache

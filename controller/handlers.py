@@ -184,6 +184,8 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
                    f"(jobrunner enqueue --batch {batch_id} …)")
         conditions = set_condition(conditions, "Enqueued", False, "WaitingForTasks", message,
                                    generation)
+        conditions = set_condition(conditions, "Reconciling", True, "WaitingForTasks", message,
+                                   generation)
         _apply(patch, st, {**new, "phase": "Pending", "conditions": conditions,
                            "observedGeneration": generation, "milestones": milestones})
         raise kopf.TemporaryError(message, delay=10) from None
@@ -241,6 +243,9 @@ def _database_problem(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
     previous = get_condition(conditions, kind)
     conditions = set_condition(conditions, kind, False if kind == "Enqueued" else None,
                                problem.reason, message, generation)
+    # kstatus: still in progress (not healthy, not failed) while the database is away.
+    conditions = set_condition(conditions, "Reconciling", True, problem.reason, message,
+                               generation)
     _apply(patch, st, {**new, "phase": st.get("phase") or "Pending", "message": message,
                        "conditions": conditions, "observedGeneration": generation,
                        "milestones": milestones})

@@ -111,6 +111,9 @@ def worker(
     grace_period: Annotated[float, typer.Option("--grace-period", min=0, max=86400,
                                                 help="SIGTERM: seconds to finish tasks.")] = 30,
     listen: Annotated[bool, typer.Option(help="LISTEN for enqueue notifications.")] = True,
+    poll_interval: Annotated[float, typer.Option(
+        "--poll-interval", min=0.01, max=3600,
+        help="Longest idle sleep between polls (jitter down to 40 %% of it).")] = 0.5,
     max_tasks: Annotated[int | None, typer.Option("--max-tasks", min=1, hidden=True)] = None,
     lost_lease_grace: Annotated[float, typer.Option(
         "--lost-lease-grace", min=0, max=3600,
@@ -132,7 +135,8 @@ def worker(
         batch_size=batch_size, visibility_timeout=visibility_timeout,
         heartbeat_interval=heartbeat, backoff_base=backoff_base, backoff_cap=backoff_cap,
         exit_when_drained=exit_when_drained, grace_period=grace_period, listen=listen,
-        max_tasks=max_tasks, lost_lease_grace=lost_lease_grace)
+        max_tasks=max_tasks, lost_lease_grace=lost_lease_grace,
+        idle_poll=(poll_interval * 0.4, poll_interval))
     with db.connect(dsn_value, purpose="jobrunner-worker") as conn:
         Queue(conn).batch(batch)  # unknown batch: a clear error before any thread starts
     code = run_worker(config)

@@ -286,3 +286,39 @@ def test_command_handler_gets_task_environment(dsn, conn, tmp_path):
     assert env["JOBRUNNER_BATCH_ID"] == "b" and env["JOBRUNNER_ATTEMPT"] == "1"
     assert "JOBRUNNER_DATABASE_URL" not in env  # the command gets its task, not the queue
     assert json.loads(json.dumps(env))
+
+
+def test_notify_wakes_an_idle_worker_long_before_its_poll(dsn, conn, tmp_path):
+    """With a 60 s poll interval, only the NOTIFY sent by enqueue can start the task soon."""
+    q(conn).enqueue("b", "acme", [TaskSpec("first", {})])
+    worker = start_worker(dsn, "b", "tests.support.handlers:record", "--poll-interval", "60",
+                          log=tmp_path / "w.log")
+    try:
+        wait_for(lambda: executions(conn) == 1, timeout=30, what="the first task")
+        time.sleep(1)  # the worker is now idle, sleeping up to 60 s
+        q(conn).enqueue("b", "acme", [TaskSpec("second", {})])
+        wait_for(lambda: executions(conn, "second") == 1, timeout=20,
+                 what="the NOTIFY wake-up (polling alone would take 24-60 s)")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(30)
+
+
+def test_polling_finds_work_without_notify(dsn, conn, tmp_path):
+    q(conn).enqueue("b", "acme", [TaskSpec("first", {})])
+    worker = start_worker(dsn, "b", "tests.support.handlers:record", "--no-listen",
+                          "--poll-interval", "0.3", log=tmp_path / "w.log")
+    try:
+        wait_for(lambda: executions(conn) == 1, timeout=30, what="the first task")
+        q(conn).enqueue("b", "acme", [TaskSpec("second", {})])
+        wait_for(lambda: executions(conn, "second") == 1, timeout=30, what="polling")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(30)
+
+
+def test_worker_ids_are_unique_per_process_start():
+    from jobrunner.worker import default_worker_id
+
+    ids = {default_worker_id("pod-a") for _ in range(50)}
+    assert len(ids) == 50 and all(i.startswith("pod-a-") for i in ids)

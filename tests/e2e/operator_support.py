@@ -36,8 +36,9 @@ def create_db_secret(k8s, namespace: str, dsn: str, name: str = "jobrunner-db") 
 class Controller:
     """`python -m controller` watching one namespace, with the admin kubeconfig."""
 
-    def __init__(self, k8s, namespace: str, log: Path, **env: str) -> None:
+    def __init__(self, k8s, namespace: str, log: Path, metrics_port: int = 0, **env: str) -> None:
         self.k8s, self.namespace, self.log = k8s, namespace, log
+        self.metrics_port = metrics_port
         self.env = {**k8s.env, "JOBRUNNER_REFRESH_SECONDS": "1",
                     "JOBRUNNER_WORKER_IMAGE": "jobrunner:local", "PYTHONPATH": str(REPO),
                     **env}
@@ -47,7 +48,8 @@ class Controller:
         handle = open(self.log, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "controller", "--namespace", self.namespace, "--standalone",
-             "--metrics-port", "0", "--health-port", "0", "--log-format", "text"],
+             "--metrics-port", str(self.metrics_port), "--health-port", "0",
+             "--log-format", "text"],
             env=self.env, cwd=REPO, stdout=handle, stderr=handle, start_new_session=True)
         return self
 

@@ -249,3 +249,52 @@ def test_missing_secret_gives_a_condition_not_a_crash(k8s, namespace, dsn, opera
                         controller=operator)["status"]
     assert status["counts"]["done"] == 2
     assert json.dumps(status).find("password") == -1
+
+
+def test_namespace_deletion_with_a_running_batchrun_completes(k8s, dsn, tmp_path):
+    """The finalizer must not hold a namespace forever, even when its Secret goes first."""
+    ns = "gone-" + str(int(time.time()))[-6:]
+    k8s.kubectl("create", "namespace", ns)
+    k8s.kubectl("wait", "--for=create", "serviceaccount/default", "-n", ns, "--timeout=60s")
+    apply_crds(k8s)
+    create_db_secret(k8s, ns, dsn)
+    controller = Controller(k8s, ns, tmp_path / "controller.log",
+                            JOBRUNNER_DELETE_RETRIES="2").start()
+    try:
+        apply(k8s, ns, batchrun("running", {
+            "tenant": "t", "workers": 1, "handler": "tests.support.handlers:record",
+            "shardRange": {"count": 50, "payload": {"sleep": 1}}, **FAST}))
+        wait_phase(k8s, "running", ns, ("Running",), controller=controller)
+        k8s.kubectl("delete", "namespace", ns, "--timeout=150s")
+        r = k8s.kubectl("get", "namespace", ns, check=False)
+        assert r.returncode != 0 and "NotFound" in r.stderr
+    finally:
+        controller.stop()
+
+
+def test_controller_metrics(k8s, namespace, dsn, tmp_path):
+    import socket
+    import urllib.request
+
+    apply_crds(k8s)
+    create_db_secret(k8s, namespace, dsn)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    controller = Controller(k8s, namespace, tmp_path / "controller.log",
+                            metrics_port=port).start()
+    try:
+        apply(k8s, namespace, batchrun("measured", {
+            "tenant": "t", "handler": "tests.support.handlers:noop",
+            "shardRange": {"count": 4}, **FAST}))
+        wait_phase(k8s, "measured", namespace, ("Succeeded",), controller=controller)
+        time.sleep(1.5)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        text = body.decode()
+        assert (f'jobrunner_batchrun_tasks{{batchrun="measured",namespace="{namespace}",'
+                f'status="done"}} 4.0') in text
+        assert (f'jobrunner_batchrun_phase{{batchrun="measured",namespace="{namespace}",'
+                'phase="Succeeded"} 1.0') in text
+        assert "jobrunner_reconcile_errors_total" in text
+    finally:
+        controller.stop()
