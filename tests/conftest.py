@@ -132,13 +132,32 @@ def cli(*args: str, dsn: str | None = None, input: str | None = None, check: boo
                           timeout=timeout, check=check)
 
 
+_spawned: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap_workers() -> Iterator[None]:
+    """A failed assertion must not leave worker processes behind for the next test."""
+    yield
+    while _spawned:
+        proc = _spawned.pop()
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.wait(10)
+
+
 def start_worker(dsn: str, batch: str, handler: str, *extra: str, log: Path | None = None,
                  env: dict[str, str] | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "jobrunner", "worker", "--batch", batch, "--handler", handler,
             "--log-level", "info", *extra]
     stream = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(args, env=env or child_env(dsn), cwd=REPO, stdout=stream,
+    proc = subprocess.Popen(args, env=env or child_env(dsn), cwd=REPO, stdout=stream,
                             stderr=stream, start_new_session=True)
+    _spawned.append(proc)
+    return proc
 
 
 def wait_for(predicate, timeout: float = 60, interval: float = 0.1, what: str = "condition"):

@@ -178,20 +178,23 @@ def test_lease_lost_kills_command_handler_and_never_acks(dsn, conn, tmp_path):
     log = open(tmp_path / "w.log", "ab")  # noqa: SIM115
     worker = subprocess.Popen(args, env=child_env(dsn), stdout=log, stderr=log,
                               start_new_session=True)
-    wait_for(lambda: one(conn, "SELECT status FROM agent_work_queue")["status"] == "leased")
-    # Someone else takes the task over (as after an expiry): the lease is gone.
-    conn.execute("UPDATE agent_work_queue SET lease_owner = 'intruder', attempts = attempts + 1")
-    conn.commit()
-    wait_for(lambda: "lease lost" in (tmp_path / "w.log").read_text(), timeout=20,
-             what="the worker to notice the lost lease")
-    time.sleep(1)
-    r = one(conn, "SELECT status, lease_owner FROM agent_work_queue")
-    assert (r["status"], r["lease_owner"]) == ("leased", "intruder")
-    for pattern in (f"^/bin/sh -c sleep 20; touch {marker}", "^sleep 20$"):
-        out = subprocess.run(["pgrep", "-f", pattern], capture_output=True)
-        assert out.stdout.strip() == b"", f"the command handler ({pattern}) was not killed"
-    worker.send_signal(signal.SIGTERM)
-    worker.wait(30)
+    try:
+        wait_for(lambda: one(conn, "SELECT status FROM agent_work_queue")["status"] == "leased")
+        # Someone else takes the task over (as after an expiry): the lease is gone.
+        conn.execute("UPDATE agent_work_queue SET lease_owner = 'intruder',"
+                     " attempts = attempts + 1")
+        conn.commit()
+        wait_for(lambda: "lease lost" in (tmp_path / "w.log").read_text(), timeout=20,
+                 what="the worker to notice the lost lease")
+        time.sleep(1)
+        r = one(conn, "SELECT status, lease_owner FROM agent_work_queue")
+        assert (r["status"], r["lease_owner"]) == ("leased", "intruder")
+        for pattern in (f"^/bin/sh -c sleep 20; touch {marker}", "^sleep 20$"):
+            out = subprocess.run(["pgrep", "-f", pattern], capture_output=True)
+            assert out.stdout.strip() == b"", f"the command handler ({pattern}) was not killed"
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(30)
     assert not marker.exists()
 
 
