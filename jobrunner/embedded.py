@@ -18,8 +18,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import platformdirs
-
 from .errors import JobrunnerError
 
 PG_USER = "jobrunner-pg"
@@ -97,6 +95,8 @@ def _ensure_traversable(path: Path) -> None:
 def default_root() -> Path:
     if _is_root():
         return SYSTEM_ROOT / "embedded"
+    import platformdirs  # installed with the [local] extra
+
     return Path(platformdirs.user_data_dir("jobrunner")) / "embedded"
 
 
