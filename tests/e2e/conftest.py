@@ -75,3 +75,16 @@ def namespace(k8s):
     k8s.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
     yield name
     k8s.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture
+def operator(k8s, namespace, dsn, tmp_path):
+    """The BatchRun controller as a local process watching `namespace`, with the CRDs
+    applied and the default database Secret pointing at the test's database."""
+    from .operator_support import Controller, apply_crds, create_db_secret
+
+    apply_crds(k8s)
+    create_db_secret(k8s, namespace, dsn)
+    controller = Controller(k8s, namespace, tmp_path / "controller.log").start()
+    yield controller
+    controller.stop()

@@ -104,3 +104,7 @@ def pods_of(k8s, namespace: str) -> list[dict[str, Any]]:
 
 def events_of(k8s, namespace: str) -> list[dict[str, Any]]:
     return json.loads(k8s.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+
+
+def apply(k8s, namespace: str, text: str, check: bool = True):
+    return k8s.kubectl("apply", "-n", namespace, "-f", "-", input=text, check=check)

@@ -10,12 +10,10 @@ import time
 from pathlib import Path
 
 import psycopg
-import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .operator_support import (
-    Controller,
-    apply_crds,
+    apply,
     batchrun,
     create_db_secret,
     events_of,
@@ -26,19 +24,6 @@ from .operator_support import (
 
 FAST = {"visibilityTimeoutSeconds": 5, "heartbeatSeconds": 1, "backoffBaseSeconds": 0.2,
         "backoffCapSeconds": 1}
-
-
-@pytest.fixture
-def operator(k8s, namespace, dsn, tmp_path):
-    apply_crds(k8s)
-    create_db_secret(k8s, namespace, dsn)
-    controller = Controller(k8s, namespace, tmp_path / "controller.log").start()
-    yield controller
-    controller.stop()
-
-
-def apply(k8s, namespace, text, check=True):
-    return k8s.kubectl("apply", "-n", namespace, "-f", "-", input=text, check=check)
 
 
 def db_one(dsn: str, sql: str, *args):

@@ -16,6 +16,7 @@ from jobrunner.queue import Queue
 from .operator_support import (
     REPO,
     Controller,
+    apply,
     apply_crds,
     batchrun,
     create_db_secret,
@@ -30,22 +31,10 @@ FAST = {"visibilityTimeoutSeconds": 6, "heartbeatSeconds": 2, "backoffBaseSecond
         "backoffCapSeconds": 1}
 
 
-@pytest.fixture
-def operator(k8s, namespace, dsn, tmp_path):
-    apply_crds(k8s)
-    create_db_secret(k8s, namespace, dsn)
-    controller = Controller(k8s, namespace, tmp_path / "controller.log").start()
-    yield controller
-    controller.stop()
-
-
 def db_counts(dsn: str, batch_id: str) -> dict[str, int]:
     with psycopg.connect(dsn, row_factory=dict_row) as conn:
         return Queue(conn).counts(batch_id)
 
-
-def apply(k8s, namespace: str, text: str, check: bool = True):
-    return k8s.kubectl("apply", "-n", namespace, "-f", "-", input=text, check=check)
 
 
 def test_example_manifest_runs_to_success(k8s, namespace, dsn, operator):
