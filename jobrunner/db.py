@@ -40,6 +40,14 @@ def prepared_statements_enabled() -> bool:
     return os.environ.get("JOBRUNNER_PREPARED_STATEMENTS", "1") not in ("0", "false", "no")
 
 
+def transaction_pooling() -> bool:
+    """True when told we are behind a transaction pooler (PgBouncer pool_mode=transaction):
+    JOBRUNNER_TRANSACTION_POOLING=1. Session settings would then leak to other clients of
+    the same server connection, so per-operation limits (statement_timeout) are set with
+    SET LOCAL inside each transaction instead of once per session."""
+    return os.environ.get("JOBRUNNER_TRANSACTION_POOLING", "0") not in ("0", "false", "no", "")
+
+
 def connect(dsn: str, *, autocommit: bool = False, purpose: str = "jobrunner",
             connect_timeout: int = 10) -> psycopg.Connection:
     try:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue as stdqueue
 import random
 import secrets
 import signal
@@ -73,6 +72,10 @@ class WorkerConfig:
     heartbeat_timeout_ms: int = 3000
     listen: bool = True
     max_tasks: int | None = None
+    # A finished task's ack may wait this long while the worker still has claimed tasks
+    # to start, so that the acks of a claimed batch go out together with the next claim
+    # (one round trip, one commit). Its lease is heartbeated meanwhile.
+    max_ack_delay: float = 0.5
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval is None:
@@ -102,7 +105,7 @@ class WorkerConfig:
 class _Running:
     lease: Lease
     task: Task
-    future: Future
+    future: Future | None = None  # None: chained on the thread of the task before it
     lost_at: float | None = None
 
 
@@ -114,9 +117,12 @@ class Worker:
         self.force_stop = threading.Event()
         self.wake = threading.Event()
         self.running: dict[int, _Running] = {}
-        self.running_lock = threading.Lock()
-        self.finished: stdqueue.Queue[Outcome] = stdqueue.Queue()
-        self.buffer: list[Lease] = []
+        self.running_lock = threading.Lock()  # guards running, buffer, unacked, stats
+        self.db_lock = threading.Lock()  # the queue connection: main loop or a handler thread
+        self.closing = threading.Event()  # _shutdown has begun: handler threads stop chaining
+        self.buffer: list[Lease] = []  # claimed, not started yet
+        self.unacked: list[Outcome] = []  # finished, not yet recorded (see max_ack_delay)
+        self.unacked_since = 0.0
         self.effects = Effects(config.dsn, max_connections=config.concurrency)
         self.pool = ThreadPoolExecutor(max_workers=config.concurrency,
                                        thread_name_prefix="handler")
@@ -128,7 +134,10 @@ class Worker:
     # -- connections -----------------------------------------------------------------
     def _queue(self) -> Queue:
         if self._conn is None or self._conn.closed:
-            self._conn = db.connect(self.config.dsn, purpose=f"jobrunner-worker {self.worker_id}")
+            # autocommit: every Queue call is one statement or one pipeline, which is
+            # its own transaction (one round trip, one commit)
+            self._conn = db.connect(self.config.dsn, autocommit=True,
+                                    purpose=f"jobrunner-worker {self.worker_id}")
         return Queue(self._conn, self.config.timing, self.config.claim_timeout_ms)
 
     def _drop_connection(self) -> None:
@@ -141,10 +150,21 @@ class Worker:
 
     def _with_db(self, op: Callable[[Queue], Any], what: str) -> Any:
         """Run op, reconnecting after connection errors until it succeeds or we must stop."""
+        with self.db_lock:
+            return self._with_db_locked(op, what)
+
+    def _with_db_locked(self, op: Callable[[Queue], Any], what: str) -> Any:
         delay = 0.1
         while True:
             try:
                 return op(self._queue())
+            except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+                # (these and QueryCanceled are OperationalErrors: they go first)
+                time.sleep(random.uniform(0.01, 0.05))
+            except psycopg.errors.QueryCanceled:
+                # statement_timeout: the claim poll was stuck; try again from a clean slate
+                log.warning("%s: statement timed out; retrying", what)
+                self._drop_connection()
             except (*db.RETRYABLE, db.DatabaseUnavailable) as exc:
                 self._drop_connection()
                 if self.force_stop.is_set():
@@ -153,12 +173,6 @@ class Worker:
                             db.describe_error(exc, self.config.dsn), delay)
                 time.sleep(delay)
                 delay = min(5.0, delay * 2)
-            except psycopg.errors.QueryCanceled:
-                # statement_timeout: the claim poll was stuck; try again from a clean slate
-                log.warning("%s: statement timed out; retrying", what)
-                self._drop_connection()
-            except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
-                time.sleep(random.uniform(0.01, 0.05))
 
     # -- the main loop -----------------------------------------------------------------
     def run(self) -> int:
@@ -178,43 +192,64 @@ class Worker:
     def _loop(self) -> None:
         cfg = self.config
         while True:
-            outcomes = self._drain_finished()
             self._check_wedged()
             if self.force_stop.is_set() or self.stopping.is_set() or self.wedged:
                 # Acks of what finished are flushed, then _shutdown gives the running
                 # tasks their grace period.
-                if outcomes:
-                    kept = self._with_db(lambda q, o=outcomes: q.complete(self.worker_id, o),
-                                         "ack")
-                    self._account(outcomes, kept)
+                self._flush_acks()
                 return
             stop_claiming = self._reached_max()
             if stop_claiming and self.buffer:
-                self._release(self.buffer)
-                self.buffer = []
+                with self.running_lock:
+                    unstarted, self.buffer = self.buffer, []
+                self._release(unstarted)
             want = 0
             if not stop_claiming and not self.buffer and self._free_slots() > 0:
                 want = cfg.batch_size
+            # Acks ride along with the next claim; they wait (at most max_ack_delay) only
+            # while claimed tasks are still being started from the local buffer.
+            with self.running_lock:
+                ack_wait = cfg.max_ack_delay - (time.monotonic() - self.unacked_since)
+                flush = bool(self.unacked) and (want > 0 or stop_claiming or ack_wait <= 0)
+                outcomes, self.unacked = (self.unacked, []) if flush else ([], self.unacked)
             claimed: list[Lease] = []
-            if outcomes or want:
-                kept, claimed = self._with_db(
-                    lambda q, o=outcomes, w=want: q.complete_and_claim(
-                        self.worker_id, o, cfg.batch_id, w), "complete/claim")
-                self._account(outcomes, kept)
-                self.buffer.extend(claimed)
-                self.stats["claimed"] += len(claimed)
+            if flush or want:
+                claimed = self._with_db(
+                    lambda q, o=outcomes, w=want: self._claimed(o, *q.complete_and_claim(
+                        self.worker_id, o, cfg.batch_id, w)), "complete/claim")
             self._start_from_buffer()
-            if stop_claiming and not self._in_flight() and self.finished.empty():
+            if stop_claiming and not self._in_flight() and not self.unacked:
                 return
-            if claimed or not self.finished.empty():
+            if claimed:
                 continue
-            if self._in_flight():
-                self._sleep(cfg.idle_poll[1])
+            if self._in_flight() or self.unacked:
+                wait = cfg.idle_poll[1]
+                if self.unacked:
+                    wait = max(0.0, min(wait, cfg.max_ack_delay
+                                        - (time.monotonic() - self.unacked_since)))
+                self._sleep(wait)
                 continue
             if want and cfg.exit_when_drained and not self._batch_open():
                 log.info("worker %s: batch %s is drained; exiting", self.worker_id, cfg.batch_id)
                 return
             self._sleep(random.uniform(*cfg.idle_poll))
+
+    def _claimed(self, outcomes: list[Outcome], kept: set[int], claimed: list[Lease]
+                 ) -> list[Lease]:
+        """Record a complete_and_claim's result. Runs while the caller holds db_lock, so
+        _shutdown (which takes db_lock) always finds new claims in the buffer."""
+        self._account(outcomes, kept)
+        with self.running_lock:
+            self.buffer.extend(claimed)
+            self.stats["claimed"] += len(claimed)
+        return claimed
+
+    def _flush_acks(self) -> None:
+        with self.running_lock:
+            outcomes, self.unacked = self.unacked, []
+        if outcomes:
+            kept = self._with_db(lambda q: q.complete(self.worker_id, outcomes), "ack")
+            self._account(outcomes, kept)
 
     def _sleep(self, seconds: float) -> None:
         self.wake.wait(seconds)
@@ -223,6 +258,10 @@ class Worker:
     def _reached_max(self) -> bool:
         limit = self.config.max_tasks
         return limit is not None and self.stats["claimed"] >= limit
+
+    def _winding_down(self) -> bool:
+        return (self.stopping.is_set() or self.force_stop.is_set() or self.closing.is_set()
+                or self.wedged)
 
     def _free_slots(self) -> int:
         with self.running_lock:
@@ -237,17 +276,77 @@ class Worker:
 
     # -- running handlers --------------------------------------------------------------
     def _start_from_buffer(self) -> None:
-        while self.buffer and self._free_slots() > 0:
-            lease = self.buffer.pop(0)
-            task = Task.from_lease(lease, self.worker_id, self.effects)
+        while True:
             with self.running_lock:
-                future = self.pool.submit(self._execute, lease, task)
-                self.running[lease.id] = _Running(lease, task, future)
+                if not self.buffer or len(self.running) >= self.config.concurrency:
+                    return
+                entry = self._take_from_buffer()
+            entry.future = self.pool.submit(self._execute, entry.lease, entry.task)
+
+    def _take_from_buffer(self) -> _Running:
+        """Move the next claimed task from the buffer to `running` (hold running_lock)."""
+        lease = self.buffer.pop(0)
+        entry = _Running(lease, Task.from_lease(lease, self.worker_id, self.effects))
+        self.running[lease.id] = entry
+        return entry
 
     def _execute(self, lease: Lease, task: Task) -> None:
-        outcome = self._outcome(lease, task)
-        self.finished.put(outcome)
+        # A handler thread that finishes a task goes on to the next one itself: from the
+        # buffer, or, when the buffer is empty, by acking what finished and claiming more
+        # in one round trip. So a worker runs task after task without a hop through the
+        # main loop; the main loop is woken when this thread stops (no work, stopping)
+        # and otherwise wakes on its own at least every idle_poll[1] seconds.
+        while True:
+            self._record(self._outcome(lease, task))
+            entry = self._next_task()
+            if entry is None:
+                break
+            lease, task = entry.lease, entry.task
         self.wake.set()
+
+    def _record(self, outcome: Outcome) -> None:
+        """A handler finished: free its slot, and queue its outcome for the next ack
+        unless its lease was lost (then the task belongs to someone else: never ack or
+        fail it)."""
+        with self.running_lock:
+            entry = self.running.pop(outcome.lease.id, None)
+            if entry is not None and entry.task.lease_lost.is_set():
+                self.stats["lost"] += 1
+                lost = True
+            else:
+                lost = False
+                if not self.unacked:
+                    self.unacked_since = time.monotonic()
+                self.unacked.append(outcome)
+        if lost:
+            log.warning("task %s attempt %d: lease lost; result discarded",
+                        outcome.lease.key, outcome.lease.attempt)
+
+    def _next_task(self) -> _Running | None:
+        """The next task for a handler thread that just finished one, or None."""
+        cfg = self.config
+        with self.running_lock:
+            if self._winding_down() or len(self.running) >= cfg.concurrency:
+                return None
+            if self.buffer:
+                return self._take_from_buffer()
+            if self._reached_max():
+                return None
+            outcomes, self.unacked = self.unacked, []
+        claimed = self._with_db(
+            lambda q: self._claimed(outcomes, *q.complete_and_claim(
+                self.worker_id, outcomes, cfg.batch_id, cfg.batch_size)), "complete/claim")
+        if not claimed:
+            return None
+        with self.running_lock:
+            if (self._winding_down() or not self.buffer
+                    or len(self.running) >= cfg.concurrency):
+                return None
+            entry = self._take_from_buffer()
+            more = bool(self.buffer) and len(self.running) < cfg.concurrency
+        if more:
+            self.wake.set()  # free slots: the main loop starts the rest
+        return entry
 
     def _outcome(self, lease: Lease, task: Task) -> Outcome:
         try:
@@ -268,36 +367,20 @@ class Worker:
                            error=f"handler returned a value that is not JSON: {exc}")
         return Outcome(lease, True, result=result)
 
-    def _drain_finished(self) -> list[Outcome]:
-        outcomes: list[Outcome] = []
-        while True:
-            try:
-                outcome = self.finished.get_nowait()
-            except stdqueue.Empty:
-                break
-            with self.running_lock:
-                entry = self.running.pop(outcome.lease.id, None)
-            if entry is not None and entry.task.lease_lost.is_set():
-                # Lost lease: the task belongs to someone else now. Never ack or fail it.
-                self.stats["lost"] += 1
-                log.warning("task %s attempt %d: lease lost; result discarded",
-                            outcome.lease.key, outcome.lease.attempt)
-                continue
-            outcomes.append(outcome)
-        return outcomes
-
     def _account(self, outcomes: list[Outcome], kept: set[int]) -> None:
         for outcome in outcomes:
             if outcome.lease.id not in kept:
-                self.stats["lost"] += 1
+                key = "lost"
                 log.warning("task %s attempt %d: lease was lost before it could be recorded",
                             outcome.lease.key, outcome.lease.attempt)
             elif outcome.ok:
-                self.stats["done"] += 1
+                key = "done"
             else:
-                self.stats["failed"] += 1
+                key = "failed"
                 log.info("task %s attempt %d failed: %s", outcome.lease.key,
                          outcome.lease.attempt, outcome.error)
+            with self.running_lock:
+                self.stats[key] += 1
 
     def _check_wedged(self) -> None:
         """A sync handler cannot be killed from another thread; if it ignores the loss of
@@ -338,7 +421,8 @@ class Worker:
                     with self.running_lock:
                         entries = [e for e in self.running.values()
                                    if not e.task.lease_lost.is_set()]
-                    leases = [e.lease for e in entries] + list(self.buffer)
+                    leases = ([e.lease for e in entries] + list(self.buffer)
+                              + [o.lease for o in list(self.unacked)])
                     held = q.heartbeat(self.worker_id, leases)
                     last_ok = time.monotonic()
                     for entry in entries:
@@ -398,41 +482,54 @@ class Worker:
         self.stopping.set()
         self.wake.set()
 
-    def _release(self, leases: list[Lease]) -> None:
+    def _release(self, leases: list[Lease], *, db_locked: bool = False) -> None:
         if not leases:
             return
+        run = self._with_db_locked if db_locked else self._with_db
         try:
-            released = self._with_db(lambda q: q.release(self.worker_id, leases), "release")
+            released = run(lambda q: q.release(self.worker_id, leases), "release")
         except Exception as exc:
             log.warning("could not release %d task(s): %s; they return after their lease "
                         "expires", len(leases), db.describe_error(exc, self.config.dsn))
             return
-        self.stats["released"] += len(released)
+        with self.running_lock:
+            self.stats["released"] += len(released)
 
     def _shutdown(self) -> None:
         cfg = self.config
+        self.closing.set()  # handler threads finish their task and take no other
         deadline = time.monotonic() + cfg.grace_period
         while (self._running_count() and time.monotonic() < deadline
                and not self.force_stop.is_set()):
-            outcomes = self._drain_finished()
-            if outcomes:
-                kept = self._with_db(lambda q, o=outcomes: q.complete(self.worker_id, o), "ack")
-                self._account(outcomes, kept)
+            self._flush_acks()
             self._check_wedged()
             self._sleep(0.1)
-        outcomes = self._drain_finished()
-        if outcomes:
-            try:
-                kept = self._with_db(lambda q: q.complete(self.worker_id, outcomes), "ack")
-                self._account(outcomes, kept)
-            except Exception:
-                pass
-        with self.running_lock:
-            leftovers = list(self.running.values())
-        for entry in leftovers:
-            entry.task.lease_lost.set()  # tells cooperative handlers and commands to stop
-        self._release([e.lease for e in leftovers if not e.lost_at] + self.buffer)
-        self.buffer = []
+        # A handler thread may be in the middle of an ack+claim: wait for it, so that
+        # what it claimed is in the buffer and given back below.
+        locked = self.db_lock.acquire(timeout=5)
+        if not locked:
+            self.force_stop.set()  # one retrying an unreachable database gives up
+            locked = self.db_lock.acquire(timeout=5)
+        try:
+            with self.running_lock:
+                outcomes, self.unacked = self.unacked, []
+            if outcomes:
+                try:
+                    kept = self._with_db_locked(
+                        lambda q: q.complete(self.worker_id, outcomes), "ack")
+                    self._account(outcomes, kept)
+                except Exception:
+                    pass
+            with self.running_lock:
+                leftovers = list(self.running.values())
+                unstarted, self.buffer = self.buffer, []
+            for entry in leftovers:
+                entry.task.lease_lost.set()  # tells cooperative handlers and commands to stop
+            self._release([e.lease for e in leftovers if not e.lost_at] + unstarted,
+                          db_locked=True)  # not locked: the other thread gave up
+        finally:
+            if locked:
+                self.db_lock.release()
         self.force_stop.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.effects.close()

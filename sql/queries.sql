@@ -2,6 +2,17 @@
 -- a thin typed wrapper around these. Parameters use psycopg's %(name)s style; every
 -- value is sent as a bound parameter, never formatted into the text.
 -- Time always comes from the database's now(), never from a worker's clock.
+--
+-- Plans: queue connections run with plan_cache_mode = force_generic_plan and without
+-- sequential or bitmap scans (see jobrunner/queue.py), so the hot statements are planned
+-- once, not on every call, and the same way whatever the table's statistics say. A
+-- generic plan does not know how many ids a parameter array holds or what LIMIT is, so
+-- rows are found by primary key through `id = ANY(array)` (always an index scan), not
+-- by joining the table to an unnest() or a CTE (which a generic plan may turn into a
+-- hash join over a sequential scan of the whole table). Fenced updates test
+-- `status || '' = 'leased'` so that the planner cannot pick the partial index of leased
+-- rows instead: statistics taken when few rows were leased make that index look
+-- cheapest, but its scan reads every live lease of every worker.
 
 -- name: ensure_batch
 -- Records the batch (idempotent). Returns the tenant it was first created with.
@@ -29,16 +40,47 @@ SELECT count(*) AS new FROM inserted;
 -- name: notify_batch
 SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 
--- name: claim
--- One statement: pick ready rows with FOR UPDATE SKIP LOCKED (rows other claimers
--- hold are skipped, never waited on), take the shard lease of at most one task per
--- shard (the primary key of agent_shard_lease serialises concurrent claimers of the
--- same shard: the loser's INSERT sees the conflict and the task is simply not
--- chosen), then mark the chosen rows leased. The CTE form matters: an
--- `UPDATE ... WHERE id IN (SELECT ... LIMIT n)` may be re-evaluated by the planner and
--- claim more than n rows. The NOT EXISTS is only a pre-filter that keeps rows of busy
--- shards out of the LIMIT; correctness comes from the INSERT.
-WITH candidates AS (
+-- name: ack_and_claim
+-- The worker's loop in ONE statement, so one round trip and one commit per loop. Either
+-- half may be empty (no ids: a plain claim; limit 0: a plain ack).
+--
+-- Ack: fenced on (id, lease_owner, attempt): a worker whose lease was lost gets no row
+-- back and changes nothing, so it can never overwrite a newer attempt. The task's shard
+-- lease is released in the same statement.
+--
+-- Claim: pick ready rows with FOR UPDATE SKIP LOCKED (rows other claimers hold are
+-- skipped, never waited on), take the shard lease of at most one task per shard (the
+-- primary key of agent_shard_lease serialises concurrent claimers of the same shard:
+-- the loser's INSERT sees the conflict and the task is simply not chosen), then mark
+-- the chosen rows leased. The CTE form matters: an `UPDATE ... WHERE id IN (SELECT ...
+-- LIMIT n)` may be re-evaluated by the planner and claim more than n rows. The NOT
+-- EXISTS is only a pre-filter that keeps rows of busy shards out of the LIMIT;
+-- correctness comes from the INSERT.
+--
+-- The halves touch disjoint rows (acked rows are leased, candidates pending). All CTEs
+-- read one snapshot, so a shard this ack releases still looks busy to this claim's
+-- pre-filter: its next task goes to the next claim (this worker's or another's).
+-- Rows come back tagged: claimed = false for acked ids, true for new leases.
+WITH acked AS (
+    UPDATE agent_work_queue q
+    SET status = 'done',
+        result = t.result,
+        finished_at = now(),
+        locked_until = NULL,
+        updated_at = now()
+    FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::jsonb[])
+         AS t(id, attempt, result)
+    WHERE q.id = ANY(%(ids)s::bigint[])  -- see "Plans" at the top of this file
+      AND q.id = t.id
+      AND q.attempts = t.attempt
+      AND q.lease_owner = %(worker_id)s
+      AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
+    RETURNING q.id
+),
+released AS (
+    DELETE FROM agent_shard_lease s USING acked WHERE s.task_id = acked.id
+),
+candidates AS (
     SELECT q.id, q.tenant_id, coalesce(q.shard_key, '') AS shard_key
     FROM agent_work_queue q
     WHERE q.batch_id = %(batch_id)s
@@ -69,17 +111,33 @@ chosen AS (
     SELECT id FROM candidates WHERE shard_key = ''
     UNION ALL
     SELECT task_id FROM shard_leases
+),
+claimed AS (
+    UPDATE agent_work_queue q
+    SET status = 'leased',
+        lease_owner = %(worker_id)s,
+        locked_until = now() + make_interval(secs => %(visibility_timeout)s),
+        attempts = q.attempts + 1,
+        updated_at = now()
+    WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
+    RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
+              q.attempts, q.max_attempts, q.locked_until
 )
-UPDATE agent_work_queue q
-SET status = 'leased',
-    lease_owner = %(worker_id)s,
-    locked_until = now() + make_interval(secs => %(visibility_timeout)s),
-    attempts = q.attempts + 1,
-    updated_at = now()
-FROM chosen
-WHERE q.id = chosen.id
-RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
-          q.attempts, q.max_attempts, q.locked_until;
+-- Acks first: the Append runs its branches in order, so this statement takes every lock
+-- it may wait for (its own leased rows, which a concurrent claimer can briefly hold
+-- after re-checking a row it saw as pending in an older snapshot) before it claims
+-- anything. Its claim half never waits on a row lock (SKIP LOCKED), and its shard-lease
+-- inserts wait only on other inserts of the same key, taken in key order; so no cycle
+-- of waits, no deadlock. (Claim first, two workers acking rows the other had just
+-- re-checked deadlocked for deadlock_timeout at 8 workers.)
+SELECT false AS claimed, id, NULL::text AS batch_id, NULL::text AS task_key,
+       NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
+       NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until
+FROM acked
+UNION ALL
+SELECT true, id, batch_id, task_key, tenant_id, shard_key, payload, attempts, max_attempts,
+       locked_until
+FROM claimed;
 
 -- name: heartbeat
 -- Renews every lease this worker still holds. A lease missing from the result is lost
@@ -88,34 +146,12 @@ UPDATE agent_work_queue q
 SET locked_until = now() + make_interval(secs => %(visibility_timeout)s),
     updated_at = now()
 FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS t(id, attempt)
-WHERE q.id = t.id
+WHERE q.id = ANY(%(ids)s::bigint[])
+  AND q.id = t.id
   AND q.attempts = t.attempt
   AND q.lease_owner = %(worker_id)s
-  AND q.status = 'leased'
+  AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
 RETURNING q.id;
-
--- name: ack
--- Fenced on (id, lease_owner, attempt): a worker whose lease was lost gets no row
--- back and changes nothing, so it can never overwrite a newer attempt.
-WITH acked AS (
-    UPDATE agent_work_queue q
-    SET status = 'done',
-        result = t.result,
-        finished_at = now(),
-        locked_until = NULL,
-        updated_at = now()
-    FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::jsonb[])
-         AS t(id, attempt, result)
-    WHERE q.id = t.id
-      AND q.attempts = t.attempt
-      AND q.lease_owner = %(worker_id)s
-      AND q.status = 'leased'
-    RETURNING q.id
-),
-released AS (
-    DELETE FROM agent_shard_lease s USING acked WHERE s.task_id = acked.id
-)
-SELECT id FROM acked;
 
 -- name: fail
 -- Retryable failure: back to pending after min(cap, base * 2^attempts) seconds with up
@@ -139,7 +175,7 @@ WITH failed AS (
     WHERE q.id = %(id)s
       AND q.attempts = %(attempt)s
       AND q.lease_owner = %(worker_id)s
-      AND q.status = 'leased'
+      AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.status, q.run_after
 ),
 released AS (
@@ -158,10 +194,11 @@ WITH released_tasks AS (
         lease_owner = NULL,
         updated_at = now()
     FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS t(id, attempt)
-    WHERE q.id = t.id
+    WHERE q.id = ANY(%(ids)s::bigint[])
+      AND q.id = t.id
       AND q.attempts = t.attempt
       AND q.lease_owner = %(worker_id)s
-      AND q.status = 'leased'
+      AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id
 ),
 released AS (
@@ -190,8 +227,7 @@ moved AS (
                      || ' before ' || q.locked_until,
         locked_until = NULL,
         updated_at = now()
-    FROM expired
-    WHERE q.id = expired.id
+    WHERE q.id = ANY(ARRAY(SELECT id FROM expired))
     RETURNING q.id, q.batch_id, q.status
 ),
 released AS (

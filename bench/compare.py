@@ -1,0 +1,102 @@
+"""``python -m bench.compare --before DIR``: the optimisations' effect, in one run.
+
+DIR holds an older jobrunner tree (its ``jobrunner/`` and ``sql/``), e.g. made with
+``git archive <commit> jobrunner sql | tar -x -C DIR``. Its workers and this tree's run
+the same workload (4 processes, 20,000 no-op tasks with 1,000 shard keys, claim batch
+1 and 10, 3 interleaved repetitions) on one embedded server, against the same schema.
+Writes ``bench/results/before-after.md`` and ``before-after.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from . import env
+from .report import spread, table
+from .systems import Jobrunner
+from .throughput import measure
+
+
+class Before(Jobrunner):
+    """Workers importing jobrunner from another tree (same database, same schema)."""
+
+    name = "before"
+
+    def __init__(self, server: env.Server, tree: Path) -> None:
+        super().__init__(server)
+        self.tree = tree
+
+    def worker(self, batch_size: int, log: Path | None = None):
+        pythonpath = os.pathsep.join([str(self.tree), str(env.REPO)])
+        return env.spawn(self.worker_args(batch_size), log=log,
+                         env=env.child_env(PYTHONPATH=pythonpath))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", type=Path, required=True)
+    parser.add_argument("--label", default="before", help="what DIR is, for the table")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--tasks", type=int, default=20_000)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=env.REPO / "bench" / "results")
+    args = parser.parse_args(argv)
+    if not (args.before / "jobrunner" / "worker.py").exists():
+        parser.error(f"{args.before} has no jobrunner/worker.py")
+    server = env.Server()
+    server.start()
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    load_before = env.load()
+    runs = []
+    try:
+        after = Jobrunner(server)
+        before = Before(server, args.before.resolve())
+        after.setup()
+        for rep in range(args.reps):
+            for system, label in ((before, args.label), (after, "this tree")):
+                for batch in (1, 10):
+                    r = measure(server, system, args.workers, batch, args.tasks, 60)
+                    runs.append({**r.as_dict(), "variant": label, "rep": rep})
+                    print(f"  {label:>12} b{batch:<2}: {r.rate:8.1f}/s  pg "
+                          f"{r.pg_cpu_s / max(1, r.done) * 1e6:.0f} us/task, worker "
+                          f"{r.worker_cpu_s / max(1, r.done) * 1e6:.0f} us/task", flush=True)
+    finally:
+        server.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"started": started, "load_before": load_before, "load_after": env.load(),
+            "command": " ".join(sys.argv), "machine": env.machine()}
+    (args.out / "before-after.json").write_text(json.dumps({"meta": meta, "runs": runs},
+                                                           indent=1) + "\n")
+    rows = []
+    for label in (args.label, "this tree"):
+        for batch in (1, 10):
+            rs = [r for r in runs if r["variant"] == label and r["batch"] == batch]
+            pg = statistics.median(r["pg_cpu_s"] / r["done"] * 1e6 for r in rs)
+            worker = statistics.median(r["worker_cpu_s"] / r["done"] * 1e6 for r in rs)
+            wal = statistics.median(r["wal_bytes"] / r["done"] for r in rs)
+            rows.append([label, batch, spread([r["rate"] for r in rs]), f"{pg:,.0f}",
+                         f"{worker:,.0f}", f"{wal:,.0f}"])
+    text = "\n".join([
+        "# Before and after the optimisations (one run)\n",
+        f"`{meta['command']}` at {started}; load average before "
+        f"{' '.join(f'{x:.2f}' for x in load_before)}, after "
+        f"{' '.join(f'{x:.2f}' for x in meta['load_after'])}. {args.workers} worker "
+        f"processes, {args.tasks:,} no-op tasks with 1,000 shard keys, median of "
+        f"{args.reps} (min-max). Same server, same schema; only the worker and queue code "
+        "differ.\n",
+        table(["code", "claim batch", "tasks/s", "PostgreSQL µs/task", "worker µs/task",
+               "WAL bytes/task"],
+              rows) + "\n"])
+    (args.out / "before-after.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

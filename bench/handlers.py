@@ -1,0 +1,31 @@
+"""The benchmark's task bodies for jobrunner workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from jobrunner import Task
+
+
+def noop(task: Task) -> None:
+    """The throughput workload: does nothing, like the peers' no-op tasks."""
+    return None
+
+
+def stamp(task: Task) -> dict:
+    """Latency: the wall-clock time the handler started (same host as the harness)."""
+    return {"started": time.time()}
+
+
+def sleepy(task: Task) -> None:
+    """Recovery: appends {attempt, started} to payload.log, then sleeps payload.seconds
+    while its lease holds."""
+    with open(task.payload["log"], "a") as out:
+        out.write(json.dumps({"attempt": task.attempt, "started": time.time(),
+                              "pid": os.getpid()}) + "\n")
+    end = time.monotonic() + float(task.payload.get("seconds", 60))
+    while time.monotonic() < end:
+        task.check_lease()
+        time.sleep(0.05)
