@@ -183,8 +183,10 @@ def test_chaos_soak_through_pgbouncer(own_server, tmp_path, capsys, soak_size):
         pytest.skip("pgbouncer is not installed (apt-get install pgbouncer)")
     bouncer = pgbouncer.PgBouncer(own_server.dsn(), pool_size=20).start()
     try:
-        # PgBouncer 1.18 in transaction mode cannot keep server-side prepared statements.
+        # The documented PgBouncer settings: per-transaction limits instead of session
+        # settings, and no server-side prepared statements (PgBouncer 1.18 cannot keep them).
         _soak(own_server, bouncer.dsn, tmp_path, tasks=soak_size, label="pgbouncer",
-              capsys=capsys, extra_env={"JOBRUNNER_PREPARED_STATEMENTS": "0"})
+              capsys=capsys, extra_env={"JOBRUNNER_PREPARED_STATEMENTS": "0",
+                                        "JOBRUNNER_TRANSACTION_POOLING": "1"})
     finally:
         bouncer.stop()
