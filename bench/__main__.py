@@ -90,7 +90,8 @@ def run(plan: Plan, only: list[str], out: Path) -> dict:
     results: dict = {"meta": {"machine": env.machine(), "load_before": env.load(),
                               "busy_before": env.busy_processes(),
                               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                              "plan": plan.__dict__, "command": " ".join(sys.argv)}}
+                              "plan": plan.__dict__,
+                              "command": " ".join(["python -m bench", *sys.argv[1:]])}}
     print(f"bench: load {env.load()}; logs in {logdir}", flush=True)
     try:
         server.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -33,8 +34,11 @@ class Before(Jobrunner):
         self.tree = tree
 
     def worker(self, batch_size: int, log: Path | None = None):
+        # `python -m` puts the working directory first on sys.path: run from the tree,
+        # so its jobrunner (and its sql/) is the one imported; bench.handlers comes
+        # from this checkout through PYTHONPATH.
         pythonpath = os.pathsep.join([str(self.tree), str(env.REPO)])
-        return env.spawn(self.worker_args(batch_size), log=log,
+        return env.spawn(self.worker_args(batch_size), log=log, cwd=self.tree,
                          env=env.child_env(PYTHONPATH=pythonpath))
 
 
@@ -50,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not (args.before / "jobrunner" / "worker.py").exists():
         parser.error(f"{args.before} has no jobrunner/worker.py")
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # clean up
     server = env.Server()
     server.start()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -71,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         server.stop()
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"started": started, "load_before": load_before, "load_after": env.load(),
-            "command": " ".join(sys.argv), "machine": env.machine()}
+            "command": " ".join(["python -m bench.compare", *sys.argv[1:]]),
+            "machine": env.machine()}
     (args.out / "before-after.json").write_text(json.dumps({"meta": meta, "runs": runs},
                                                            indent=1) + "\n")
     rows = []

@@ -140,10 +140,10 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def spawn(args: list[str], *, env: dict[str, str] | None = None, log: Path | None = None
-          ) -> subprocess.Popen:
+def spawn(args: list[str], *, env: dict[str, str] | None = None, log: Path | None = None,
+          cwd: Path = REPO) -> subprocess.Popen:
     stream = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(args, env=env or child_env(), cwd=REPO, stdout=stream,
+    return subprocess.Popen(args, env=env or child_env(), cwd=cwd, stdout=stream,
                             stderr=stream, start_new_session=True)
 
 
