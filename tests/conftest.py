@@ -65,26 +65,27 @@ def template_db(pg_admin_dsn: str) -> str:
     return TEMPLATE_DB
 
 
+def _scratch_database(admin_dsn: str, template: str | None) -> Iterator[str]:
+    """Create a uniquely named database (from a template if given), drop it afterwards."""
+    name = f"jr_{uuid.uuid4().hex[:12]}"
+    clause = f" TEMPLATE {template}" if template else ""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}{clause}")
+    yield _with_db(admin_dsn, name)
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
 @pytest.fixture
 def dsn(pg_admin_dsn: str, template_db: str) -> Iterator[str]:
     """A fresh, migrated database for one test."""
-    name = f"jr_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name} TEMPLATE {template_db}")
-    yield _with_db(pg_admin_dsn, name)
-    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    yield from _scratch_database(pg_admin_dsn, template_db)
 
 
 @pytest.fixture
 def empty_dsn(pg_admin_dsn: str) -> Iterator[str]:
     """A fresh database without the schema."""
-    name = f"jr_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    yield _with_db(pg_admin_dsn, name)
-    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    yield from _scratch_database(pg_admin_dsn, None)
 
 
 @pytest.fixture

@@ -35,6 +35,17 @@ def _run_logged(task: Task, body) -> object:
     return result
 
 
+def _effect_of(task: Task):
+    """The effect both effect handlers apply: one row in effect_out, saying who wrote it."""
+
+    def effect(conn: psycopg.Connection) -> dict:
+        conn.execute("INSERT INTO effect_out VALUES (%s, %s, %s)",
+                     (task.key, task.attempt, task.worker_id))
+        return {"applied_by": task.worker_id}
+
+    return effect
+
+
 def _sleep(task: Task, seconds: float) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -71,12 +82,7 @@ def always_fails(task: Task) -> None:
 
 def with_effect(task: Task) -> dict:
     """Applies one effect through the ledger, then sleeps payload.sleep, logging raw runs."""
-
-    def effect(conn: psycopg.Connection) -> dict:
-        conn.execute("INSERT INTO effect_out VALUES (%s, %s, %s)",
-                     (task.key, task.attempt, task.worker_id))
-        return {"applied_by": task.worker_id}
-
+    effect = _effect_of(task)
     def body() -> dict:
         _sleep(task, float(task.payload.get("sleep_before", 0)))
         applied = task.once("write", effect)
@@ -94,11 +100,7 @@ def ignores_lease(task: Task) -> dict:
 
 def stalls_then_effect(task: Task) -> dict:
     """Sleeps (a SIGSTOP in the test stretches this), then tries its effect."""
-    def effect(conn: psycopg.Connection) -> dict:
-        conn.execute("INSERT INTO effect_out VALUES (%s, %s, %s)",
-                     (task.key, task.attempt, task.worker_id))
-        return {"applied_by": task.worker_id}
-
+    effect = _effect_of(task)
     def body() -> dict:
         time.sleep(float(task.payload.get("sleep", 0)))
         return task.once("write", effect)
