@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.types.json import Jsonb
+from psycopg.rows import RowFactory, dict_row, tuple_row
 
 from .db import transaction_pooling
 from .errors import BadInput, UnknownBatch
@@ -91,11 +91,18 @@ _IDLE = psycopg.pq.TransactionStatus.IDLE
 _PIPELINE = psycopg.Pipeline.is_supported()
 
 
-def _lease(row: dict[str, Any]) -> Lease:
-    return Lease(id=row["id"], batch_id=row["batch_id"], key=row["task_key"],
-                 tenant_id=row["tenant_id"], shard_key=row["shard_key"],
-                 payload=row["payload"], attempt=row["attempts"],
-                 max_attempts=row["max_attempts"], locked_until=row["locked_until"])
+def _lease(row: tuple) -> Lease:
+    # Columns of ack_and_claim's result, in order (see sql/queries.sql).
+    _, id_, batch_id, key, tenant_id, shard_key, payload, attempt, max_attempts, until = row
+    return Lease(id=id_, batch_id=batch_id, key=key, tenant_id=tenant_id,
+                 shard_key=shard_key, payload=payload, attempt=attempt,
+                 max_attempts=max_attempts, locked_until=until)
+
+
+def _int_array(values: Iterable[int]) -> str:
+    """An int array as a PostgreSQL array literal: on the worker's hot path this is
+    several times cheaper to send than a Python list (the statement casts it)."""
+    return "{" + ",".join(str(int(v)) for v in values) + "}"
 
 
 class Queue:
@@ -106,6 +113,11 @@ class Queue:
         self.conn = conn
         self.timing = timing or Timing()
         self.statement_timeout_ms = statement_timeout_ms
+        self._pooled = transaction_pooling()
+
+    def _cursor(self, row_factory: RowFactory = tuple_row) -> psycopg.Cursor:
+        # Rows of a known shape, whatever row factory the caller's connection has.
+        return self.conn.cursor(row_factory=row_factory)
 
     # -- helpers -------------------------------------------------------------------
     def _tx(self) -> psycopg.Transaction:
@@ -117,7 +129,12 @@ class Queue:
         if self.statement_timeout_ms:
             self.conn.execute(_SET_TIMEOUT, (f"{self.statement_timeout_ms}ms",))
 
-    def _one_round_trip(self, steps: Sequence[tuple[str, Any]]) -> list[psycopg.Cursor] | None:
+    def _execute(self, sql: str, params: Any = None) -> psycopg.Cursor:
+        """One statement, rows as dicts (the connection's own row factory is not ours)."""
+        return self._cursor(dict_row).execute(sql, params)
+
+    def _one_round_trip(self, steps: Sequence[tuple[str, Any]],
+                        row_factory: RowFactory = tuple_row) -> list[psycopg.Cursor] | None:
         """Run the steps as ONE transaction in ONE network round trip; returns a cursor
         per step, or None when the connection is inside a transaction the caller opened
         (the caller then runs the steps one by one, nested as a savepoint).
@@ -142,15 +159,14 @@ class Queue:
         if not was_autocommit:
             conn.autocommit = True
         try:
-            pooled = transaction_pooling()
-            if not pooled:
+            if not self._pooled:
                 self._session_settings()
                 if len(steps) == 1:
-                    return [conn.execute(*steps[0])]
+                    return [self._cursor(row_factory).execute(*steps[0])]
             with conn.pipeline():
-                if pooled:
+                if self._pooled:
                     conn.execute(_SETTINGS, {"local": True, "timeout": self._timeout()})
-                return [conn.execute(sql, params) for sql, params in steps]
+                return [self._cursor(row_factory).execute(sql, params) for sql, params in steps]
         finally:
             if not was_autocommit and not conn.closed:
                 if conn.info.transaction_status != _IDLE:
@@ -196,24 +212,24 @@ class Queue:
             attempts = check_max_attempts(task.max_attempts) if task.max_attempts else max_attempts
             rows.append((key, shard, payload, attempts))
         with self._tx():
-            batch = self.conn.execute(query("ensure_batch"),
+            batch = self._execute(query("ensure_batch"),
                                       {"batch_id": batch_id, "tenant_id": tenant_id}).fetchone()
             if batch["tenant_id"] != tenant_id:
                 raise BadInput(f"batch {batch_id!r} belongs to tenant {batch['tenant_id']!r}, "
                                f"not {tenant_id!r}")
             if batch["cancelled_at"] is not None and rows:
                 raise BadInput(f"batch {batch_id!r} was cancelled; enqueue under a new batch id")
-            self.conn.execute(query("enqueue_stage_table"))
+            self._execute(query("enqueue_stage_table"))
             with self.conn.cursor() as cur, cur.copy(
                     "COPY jobrunner_enqueue_stage (task_key, shard_key, payload, max_attempts)"
                     " FROM STDIN") as copy:
                 for row in rows:
                     copy.write_row(row)
-            new = self.conn.execute(query("enqueue_from_stage"),
+            new = self._execute(query("enqueue_from_stage"),
                                     {"batch_id": batch_id, "tenant_id": tenant_id}
                                     ).fetchone()["new"]
             if new:
-                self.conn.execute(query("notify_batch"), {"batch_id": batch_id})
+                self._execute(query("notify_batch"), {"batch_id": batch_id})
         return EnqueueResult(new=new, existing=len(rows) - new)
 
     # -- the lease life cycle ------------------------------------------------------
@@ -223,9 +239,9 @@ class Queue:
     def _ack_and_claim_params(self, worker_id: str, successes: Sequence[Outcome],
                               batch_id: str | None, limit: int) -> dict[str, Any]:
         return {"worker_id": worker_id,
-                "ids": [o.lease.id for o in successes],
-                "attempts": [o.lease.attempt for o in successes],
-                "results": [Jsonb(o.result) for o in successes],
+                "ids": _int_array(o.lease.id for o in successes),
+                "attempts": _int_array(o.lease.attempt for o in successes),
+                "results": json.dumps([o.result for o in successes], allow_nan=False),
                 "batch_id": batch_id or "", "limit": limit if batch_id is not None else 0,
                 "visibility_timeout": self.timing.visibility_timeout}
 
@@ -239,11 +255,11 @@ class Queue:
                   "visibility_timeout": self.timing.visibility_timeout}
         cursors = self._one_round_trip([(query("heartbeat"), params)])
         if cursors is not None:
-            return {r["id"] for r in cursors[0].fetchall()}
+            return {r[0] for r in cursors[0].fetchall()}
         with self._tx():
             self._limit_statement_time()
-            rows = self.conn.execute(query("heartbeat"), params).fetchall()
-        return {r["id"] for r in rows}
+            rows = self._cursor().execute(query("heartbeat"), params).fetchall()
+        return {r[0] for r in rows}
 
     def ack(self, worker_id: str, lease: Lease, result: Any = None) -> bool:
         return lease.id in self.complete(worker_id, [Outcome(lease, True, result)])
@@ -262,7 +278,7 @@ class Queue:
                 "backoff_cap": self.timing.backoff_cap}
 
     def _fail(self, worker_id: str, outcome: Outcome) -> str | None:
-        row = self.conn.execute(query("fail"), self._fail_params(worker_id, outcome)).fetchone()
+        row = self._execute(query("fail"), self._fail_params(worker_id, outcome)).fetchone()
         return row["status"] if row else None
 
 
@@ -309,7 +325,7 @@ class Queue:
         with self._tx():
             self._limit_statement_time()
             return self._completed(
-                failures, [self.conn.execute(sql, params) for sql, params in steps])
+                failures, [self._cursor().execute(sql, params) for sql, params in steps])
 
     @staticmethod
     def _completed(failures: Sequence[Outcome], cursors: Sequence[psycopg.Cursor]
@@ -321,10 +337,10 @@ class Queue:
         leases: list[Lease] = []
         if len(cursors) > len(failures):
             for row in cursors[-1].fetchall():
-                if row["claimed"]:
+                if row[0]:  # claimed
                     leases.append(_lease(row))
                 else:
-                    kept.add(row["id"])
+                    kept.add(row[1])
         leases.sort(key=lambda lease: lease.id)
         return kept, leases
 
@@ -333,24 +349,24 @@ class Queue:
         if not leases:
             return set()
         with self._tx():
-            rows = self.conn.execute(query("release"), {
+            rows = self._execute(query("release"), {
                 "worker_id": worker_id, "ids": [lease.id for lease in leases],
                 "attempts": [lease.attempt for lease in leases]}).fetchall()
         return {r["id"] for r in rows}
 
     def expire(self, limit: int = 1000) -> list[dict[str, Any]]:
         """Return expired leases to pending (or dead); any worker may call this."""
-        cursors = self._one_round_trip([(query("expire"), {"limit": limit})])
+        cursors = self._one_round_trip([(query("expire"), {"limit": limit})], dict_row)
         if cursors is not None:
             return cursors[0].fetchall()
         with self._tx():
             self._limit_statement_time()
-            return self.conn.execute(query("expire"), {"limit": limit}).fetchall()
+            return self._cursor(dict_row).execute(query("expire"), {"limit": limit}).fetchall()
 
     # -- batch administration ------------------------------------------------------
     def batch(self, batch_id: str) -> dict[str, Any]:
         with self._tx():
-            row = self.conn.execute(query("get_batch"), {"batch_id": batch_id}).fetchone()
+            row = self._execute(query("get_batch"), {"batch_id": batch_id}).fetchone()
         if row is None:
             raise UnknownBatch(batch_id)
         return row
@@ -358,38 +374,38 @@ class Queue:
     def cancel(self, batch_id: str) -> int:
         self.batch(batch_id)
         with self._tx():
-            return self.conn.execute(query("cancel_batch"), {"batch_id": batch_id}).rowcount
+            return self._execute(query("cancel_batch"), {"batch_id": batch_id}).rowcount
 
     def requeue_dead(self, batch_id: str, task_keys: Sequence[str] | None = None) -> int:
         self.batch(batch_id)
         with self._tx():
-            count = self.conn.execute(query("requeue_dead"), {
+            count = self._execute(query("requeue_dead"), {
                 "batch_id": batch_id,
                 "task_keys": list(task_keys) if task_keys else None}).rowcount
             if count:
-                self.conn.execute(query("notify_batch"), {"batch_id": batch_id})
+                self._execute(query("notify_batch"), {"batch_id": batch_id})
         return count
 
     def list_dead(self, batch_id: str, limit: int = 1000) -> list[dict[str, Any]]:
         self.batch(batch_id)
         with self._tx():
-            return self.conn.execute(query("list_dead"),
+            return self._execute(query("list_dead"),
                                      {"batch_id": batch_id, "limit": limit}).fetchall()
 
     def batch_open(self, batch_id: str) -> bool:
         """True while the batch has pending (due now or later) or leased tasks."""
         with self._tx():
-            return bool(self.conn.execute(query("batch_open"),
+            return bool(self._execute(query("batch_open"),
                                           {"batch_id": batch_id}).fetchone()["open"])
 
     def counts(self, batch_id: str) -> dict[str, int]:
         with self._tx():
-            row = self.conn.execute(query("counts"), {"batch_id": batch_id}).fetchone()
+            row = self._execute(query("counts"), {"batch_id": batch_id}).fetchone()
         return {status: int(row[status]) for status in STATUSES}
 
     def health(self, batch_id: str) -> dict[str, Any]:
         with self._tx():
-            row = self.conn.execute(query("batch_health"), {"batch_id": batch_id}).fetchone()
+            row = self._execute(query("batch_health"), {"batch_id": batch_id}).fetchone()
         return {
             "stuck": int(row["stuck"]),
             "ready": int(row["ready"]),
@@ -404,7 +420,7 @@ class Queue:
         total = 0
         while True:
             with self._tx():
-                deleted = self.conn.execute(query("retention_delete"), {
+                deleted = self._execute(query("retention_delete"), {
                     "statuses": statuses, "older_than_seconds": older_than_seconds,
                     "limit": batch_size, "archive": archive}).rowcount
             total += deleted

@@ -117,6 +117,10 @@ class Worker:
         self.force_stop = threading.Event()
         self.wake = threading.Event()
         self.running: dict[int, _Running] = {}
+        # Handler threads at work: each holds one concurrency slot for as long as it runs
+        # task after task (including the ack+claim between two tasks), so the main loop
+        # never claims for a slot a handler thread is about to fill itself.
+        self.active = 0
         self.running_lock = threading.Lock()  # guards running, buffer, unacked, stats
         self.db_lock = threading.Lock()  # the queue connection: main loop or a handler thread
         self.closing = threading.Event()  # _shutdown has begun: handler threads stop chaining
@@ -128,17 +132,19 @@ class Worker:
                                        thread_name_prefix="handler")
         self.stats = {"claimed": 0, "done": 0, "failed": 0, "lost": 0, "released": 0}
         self._conn: psycopg.Connection | None = None
+        self._q: Queue | None = None
         self._threads: list[threading.Thread] = []
         self.wedged = False
 
     # -- connections -----------------------------------------------------------------
     def _queue(self) -> Queue:
-        if self._conn is None or self._conn.closed:
+        if self._conn is None or self._conn.closed or self._q is None:
             # autocommit: every Queue call is one statement or one pipeline, which is
             # its own transaction (one round trip, one commit)
             self._conn = db.connect(self.config.dsn, autocommit=True,
                                     purpose=f"jobrunner-worker {self.worker_id}")
-        return Queue(self._conn, self.config.timing, self.config.claim_timeout_ms)
+            self._q = Queue(self._conn, self.config.timing, self.config.claim_timeout_ms)
+        return self._q
 
     def _drop_connection(self) -> None:
         if self._conn is not None:
@@ -147,6 +153,7 @@ class Worker:
             except Exception:
                 pass
         self._conn = None
+        self._q = None
 
     def _with_db(self, op: Callable[[Queue], Any], what: str) -> Any:
         """Run op, reconnecting after connection errors until it succeeds or we must stop."""
@@ -265,7 +272,7 @@ class Worker:
 
     def _free_slots(self) -> int:
         with self.running_lock:
-            return self.config.concurrency - len(self.running)
+            return self.config.concurrency - self.active
 
     def _in_flight(self) -> bool:
         with self.running_lock:
@@ -278,9 +285,10 @@ class Worker:
     def _start_from_buffer(self) -> None:
         while True:
             with self.running_lock:
-                if not self.buffer or len(self.running) >= self.config.concurrency:
+                if not self.buffer or self.active >= self.config.concurrency:
                     return
                 entry = self._take_from_buffer()
+                self.active += 1
             entry.future = self.pool.submit(self._execute, entry.lease, entry.task)
 
     def _take_from_buffer(self) -> _Running:
@@ -296,13 +304,17 @@ class Worker:
         # in one round trip. So a worker runs task after task without a hop through the
         # main loop; the main loop is woken when this thread stops (no work, stopping)
         # and otherwise wakes on its own at least every idle_poll[1] seconds.
-        while True:
-            self._record(self._outcome(lease, task))
-            entry = self._next_task()
-            if entry is None:
-                break
-            lease, task = entry.lease, entry.task
-        self.wake.set()
+        try:
+            while True:
+                self._record(self._outcome(lease, task))
+                entry = self._next_task()
+                if entry is None:
+                    break
+                lease, task = entry.lease, entry.task
+        finally:
+            with self.running_lock:
+                self.active -= 1
+            self.wake.set()
 
     def _record(self, outcome: Outcome) -> None:
         """A handler finished: free its slot, and queue its outcome for the next ack
@@ -326,7 +338,7 @@ class Worker:
         """The next task for a handler thread that just finished one, or None."""
         cfg = self.config
         with self.running_lock:
-            if self._winding_down() or len(self.running) >= cfg.concurrency:
+            if self._winding_down():
                 return None
             if self.buffer:
                 return self._take_from_buffer()
@@ -339,11 +351,10 @@ class Worker:
         if not claimed:
             return None
         with self.running_lock:
-            if (self._winding_down() or not self.buffer
-                    or len(self.running) >= cfg.concurrency):
+            if self._winding_down() or not self.buffer:
                 return None
             entry = self._take_from_buffer()
-            more = bool(self.buffer) and len(self.running) < cfg.concurrency
+            more = bool(self.buffer) and self.active < cfg.concurrency
         if more:
             self.wake.set()  # free slots: the main loop starts the rest
         return entry

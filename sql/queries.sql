@@ -64,12 +64,11 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 WITH acked AS (
     UPDATE agent_work_queue q
     SET status = 'done',
-        result = t.result,
+        result = %(results)s::jsonb -> (t.n::int - 1),  -- a JSON array, one per id
         finished_at = now(),
         locked_until = NULL,
         updated_at = now()
-    FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(results)s::jsonb[])
-         AS t(id, attempt, result)
+    FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) WITH ORDINALITY AS t(id, attempt, n)
     WHERE q.id = ANY(%(ids)s::bigint[])  -- see "Plans" at the top of this file
       AND q.id = t.id
       AND q.attempts = t.attempt
