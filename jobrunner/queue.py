@@ -8,6 +8,7 @@ changes nothing.
 from __future__ import annotations
 
 import json
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -289,6 +290,22 @@ class Queue:
 
     def complete_and_claim(self, worker_id: str, outcomes: Sequence[Outcome],
                            batch_id: str | None, limit: int) -> tuple[set[int], list[Lease]]:
+        """Finish the given attempts and claim up to `limit` new tasks; returns the ids
+        still held (acked or failed) and the new leases. An ack that finds its row
+        locked for a moment (see try_complete_and_claim) is sent again until it lands."""
+        kept, busy, leases = self.try_complete_and_claim(worker_id, outcomes, batch_id, limit)
+        delay = 0.001
+        while busy:
+            time.sleep(delay)
+            delay = min(0.05, delay * 2)
+            more, busy, _ = self.try_complete_and_claim(
+                worker_id, [o for o in outcomes if o.lease.id in busy], None, 0)
+            kept |= more
+        return kept, leases
+
+    def try_complete_and_claim(self, worker_id: str, outcomes: Sequence[Outcome],
+                               batch_id: str | None, limit: int
+                               ) -> tuple[set[int], set[int], list[Lease]]:
         """Finish the given attempts and claim up to `limit` new tasks in ONE transaction.
 
         The acks and the claim are one statement (`ack_and_claim`), and any failures are
@@ -296,9 +313,14 @@ class Queue:
         that is how a worker at claim batch size 1 gets past the two-commits-per-task
         bound. Only when an ack released a shard and the claim came back short does a
         second claim follow (see below).
+
+        Returns (kept, busy, leases): kept = attempts recorded (their leases were still
+        held), busy = successful attempts whose row another transaction held locked at
+        that instant (not recorded: send them again), leases = the new claims. An
+        outcome in neither kept nor busy had lost its lease.
         """
         if not outcomes and not limit:
-            return set(), []
+            return set(), set(), []
         successes = [o for o in outcomes if o.ok]
         failures = [o for o in outcomes if not o.ok]
         claiming = bool(limit and batch_id is not None)
@@ -307,18 +329,18 @@ class Queue:
         if successes or claiming:
             steps.append((query("ack_and_claim"), self._ack_and_claim_params(
                 worker_id, successes, batch_id if claiming else None, limit)))
-        kept, leases = self._run_completion(failures, steps)
+        kept, busy, leases = self._run_completion(failures, steps)
         if claiming and len(leases) < limit and any(
                 o.lease.shard_key and o.lease.id in kept for o in successes):
             # The ack released a shard that the claim, reading the same snapshot, still
             # saw as busy: claim again so that shard's next task is not left waiting.
             again = self._ack_and_claim_params(worker_id, (), batch_id, limit - len(leases))
-            _, more = self._run_completion([], [(query("ack_and_claim"), again)])
+            _, _, more = self._run_completion([], [(query("ack_and_claim"), again)])
             leases = sorted(leases + more, key=lambda lease: lease.id)
-        return kept, leases
+        return kept, busy, leases
 
     def _run_completion(self, failures: Sequence[Outcome], steps: list[tuple[str, Any]]
-                        ) -> tuple[set[int], list[Lease]]:
+                        ) -> tuple[set[int], set[int], list[Lease]]:
         cursors = self._one_round_trip(steps)
         if cursors is not None:
             return self._completed(failures, cursors)
@@ -329,20 +351,24 @@ class Queue:
 
     @staticmethod
     def _completed(failures: Sequence[Outcome], cursors: Sequence[psycopg.Cursor]
-                   ) -> tuple[set[int], list[Lease]]:
+                   ) -> tuple[set[int], set[int], list[Lease]]:
         kept: set[int] = set()
+        busy: set[int] = set()
         for failure, cur in zip(failures, cursors, strict=False):
             if cur.fetchone() is not None:
                 kept.add(failure.lease.id)
         leases: list[Lease] = []
         if len(cursors) > len(failures):
             for row in cursors[-1].fetchall():
-                if row[0]:  # claimed
+                outcome = row[0]
+                if outcome == "leased":
                     leases.append(_lease(row))
-                else:
+                elif outcome == "acked":
                     kept.add(row[1])
+                else:
+                    busy.add(row[1])
         leases.sort(key=lambda lease: lease.id)
-        return kept, leases
+        return kept, busy, leases
 
     def release(self, worker_id: str, leases: Sequence[Lease]) -> set[int]:
         """Give leases back without burning an attempt (graceful shutdown)."""

@@ -241,12 +241,19 @@ class Worker:
                 return
             self._sleep(random.uniform(*cfg.idle_poll))
 
-    def _claimed(self, outcomes: list[Outcome], kept: set[int], claimed: list[Lease]
-                 ) -> list[Lease]:
+    def _claimed(self, outcomes: list[Outcome], kept: set[int], claimed: list[Lease],
+                 busy: set[int] = frozenset()) -> list[Lease]:
         """Record a complete_and_claim's result. Runs while the caller holds db_lock, so
-        _shutdown (which takes db_lock) always finds new claims in the buffer."""
-        self._account(outcomes, kept)
+        _shutdown (which takes db_lock) always finds new claims in the buffer. Busy acks
+        (their row was locked for a moment) go back to the front of `unacked` and ride
+        along with the next statement; their leases are still ours and heartbeated."""
+        retry = [o for o in outcomes if o.lease.id in busy]
+        self._account([o for o in outcomes if o.lease.id not in busy], kept)
         with self.running_lock:
+            if retry:
+                if not self.unacked:
+                    self.unacked_since = time.monotonic()
+                self.unacked[:0] = retry
             self.buffer.extend(claimed)
             self.stats["claimed"] += len(claimed)
         return claimed
@@ -345,9 +352,12 @@ class Worker:
             if self._reached_max():
                 return None
             outcomes, self.unacked = self.unacked, []
-        claimed = self._with_db(
-            lambda q: self._claimed(outcomes, *q.complete_and_claim(
-                self.worker_id, outcomes, cfg.batch_id, cfg.batch_size)), "complete/claim")
+        def ack_and_claim(q: Queue) -> list[Lease]:
+            kept, busy, leases = q.try_complete_and_claim(
+                self.worker_id, outcomes, cfg.batch_id, cfg.batch_size)
+            return self._claimed(outcomes, kept, leases, busy)
+
+        claimed = self._with_db(ack_and_claim, "complete/claim")
         if not claimed:
             return None
         with self.running_lock:

@@ -46,7 +46,14 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 --
 -- Ack: fenced on (id, lease_owner, attempt): a worker whose lease was lost gets no row
 -- back and changes nothing, so it can never overwrite a newer attempt. The task's shard
--- lease is released in the same statement.
+-- lease is released in the same statement. An acked row that another transaction holds
+-- locked at this moment is not waited for: it comes back as 'busy' and the worker sends
+-- its ack again with its next statement. Who holds it: almost always a claimer whose
+-- snapshot predates our claim's commit: its SKIP LOCKED scan still saw the row as
+-- pending, locked the newest version and only then found it leased, and keeps that
+-- lock until it commits. Waiting for that commit (and its WAL flush) cost a quarter of
+-- the statement time at 4 workers; otherwise the expirer (then the next try finds the
+-- lease lost).
 --
 -- Claim: pick ready rows with FOR UPDATE SKIP LOCKED (rows other claimers hold are
 -- skipped, never waited on), take the shard lease of at most one task per shard (the
@@ -60,8 +67,14 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 -- The halves touch disjoint rows (acked rows are leased, candidates pending). All CTEs
 -- read one snapshot, so a shard this ack releases still looks busy to this claim's
 -- pre-filter: its next task goes to the next claim (this worker's or another's).
--- Rows come back tagged: claimed = false for acked ids, true for new leases.
-WITH acked AS (
+-- Rows come back tagged: 'acked', 'busy' (ack again later) or 'leased' (a new lease);
+-- an id that is neither acked nor busy is a lost lease.
+WITH lockable AS (
+    SELECT l.id FROM agent_work_queue l
+    WHERE l.id = ANY(%(ids)s::bigint[])
+    FOR NO KEY UPDATE SKIP LOCKED
+),
+acked AS (
     UPDATE agent_work_queue q
     SET status = 'done',
         result = %(results)s::jsonb -> (t.n::int - 1),  -- a JSON array, one per id
@@ -69,7 +82,7 @@ WITH acked AS (
         locked_until = NULL,
         updated_at = now()
     FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) WITH ORDINALITY AS t(id, attempt, n)
-    WHERE q.id = ANY(%(ids)s::bigint[])  -- see "Plans" at the top of this file
+    WHERE q.id = ANY(ARRAY(SELECT id FROM lockable))  -- see "Plans" at the top of this file
       AND q.id = t.id
       AND q.attempts = t.attempt
       AND q.lease_owner = %(worker_id)s
@@ -122,20 +135,22 @@ claimed AS (
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
               q.attempts, q.max_attempts, q.locked_until
 )
--- Acks first: the Append runs its branches in order, so this statement takes every lock
--- it may wait for (its own leased rows, which a concurrent claimer can briefly hold
--- after re-checking a row it saw as pending in an older snapshot) before it claims
--- anything. Its claim half never waits on a row lock (SKIP LOCKED), and its shard-lease
--- inserts wait only on other inserts of the same key, taken in key order; so no cycle
--- of waits, no deadlock. (Claim first, two workers acking rows the other had just
--- re-checked deadlocked for deadlock_timeout at 8 workers.)
-SELECT false AS claimed, id, NULL::text AS batch_id, NULL::text AS task_key,
+-- No row lock is ever waited for: acks and claims both skip locked rows, and the
+-- shard-lease inserts wait only on other inserts of the same key, taken in key order;
+-- so no cycle of waits, no deadlock. (An earlier version waited for busy acks; it had
+-- to ack before claiming, or two workers acking rows the other had just re-checked
+-- deadlocked for deadlock_timeout at 8 workers.)
+SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
        NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
        NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until
 FROM acked
 UNION ALL
-SELECT true, id, batch_id, task_key, tenant_id, shard_key, payload, attempts, max_attempts,
-       locked_until
+SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM agent_work_queue b
+WHERE b.id = ANY(%(ids)s::bigint[]) AND b.id <> ALL(ARRAY(SELECT id FROM lockable))
+UNION ALL
+SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts,
+       max_attempts, locked_until
 FROM claimed;
 
 -- name: heartbeat

@@ -8,10 +8,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("matplotlib")
-
 from bench.env import Server
 from bench.report import write_report
 from bench.systems import Jobrunner
