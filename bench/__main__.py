@@ -20,13 +20,13 @@ from pathlib import Path
 
 import psycopg
 
-from . import env, scenarios
+from . import controller, env, scenarios
 from .report import write_report
 from .systems import Jobrunner, PgBench, PgQueuer, Procrastinate
 from .throughput import measure, pgbench_run
 
 ALL = ["throughput", "history", "shards", "enqueue", "latency", "recovery", "footprint",
-       "pgbouncer"]
+       "controller", "pgbouncer"]
 
 
 @dataclass
@@ -50,13 +50,16 @@ class Plan:
     bouncer_pool: int = 20
     bouncer_tasks: int = 20_000
     retention_rows: int = 200_000
+    controller_runs: int = 100
+    controller_window: float = 30.0
 
 
 QUICK = Plan(tasks=3000, reps=1, workers=[1, 4], cap=5.0, pgbench_seconds=2.0,
              history_sizes=[0, 100_000, 300_000], history_pending=20_000, history_probes=300,
              history_window=2.0, shard_tasks=2000, shard_reps=1, enqueue_tasks=50_000,
              latency_samples=6, recovery_visibility=3.0, recovery_trials=1, bouncer_workers=12,
-             bouncer_pool=4, bouncer_tasks=2000, retention_rows=20_000)
+             bouncer_pool=4, bouncer_tasks=2000, retention_rows=20_000,
+             controller_runs=20, controller_window=15.0)
 
 
 class AsyncCommitJobrunner(Jobrunner):
@@ -124,6 +127,9 @@ def run(plan: Plan, only: list[str], out: Path) -> dict:
                                                      plan.recovery_trials, logdir)
         if stage("footprint"):
             results["footprint"] = scenarios.footprint(server, logdir)
+        if stage("controller"):
+            results["controller"] = controller.controller(
+                server, plan.controller_runs, plan.controller_window, logdir)
         if stage("pgbouncer"):
             results["pgbouncer"] = scenarios.pgbouncer(
                 server, plan.bouncer_workers, plan.bouncer_pool, plan.bouncer_tasks, 1, logdir)

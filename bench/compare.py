@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,13 +26,21 @@ from .throughput import measure
 
 
 class Before(Jobrunner):
-    """Workers importing jobrunner from another tree (same database, same schema)."""
+    """Workers importing jobrunner from another tree, on its own database with that
+    tree's own migrations (an older tree may need an index a newer one dropped)."""
 
     name = "before"
+    db = "bench_before"
 
     def __init__(self, server: env.Server, tree: Path) -> None:
         super().__init__(server)
         self.tree = tree
+
+    def install(self) -> None:
+        pythonpath = os.pathsep.join([str(self.tree), str(env.REPO)])
+        subprocess.run([sys.executable, "-m", "jobrunner", "migrate", "--dsn", self.dsn],
+                       cwd=self.tree, env=env.child_env(PYTHONPATH=pythonpath), check=True,
+                       stdout=subprocess.DEVNULL)
 
     def worker(self, batch_size: int, log: Path | None = None):
         # `python -m` puts the working directory first on sys.path: run from the tree,
@@ -64,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         after = Jobrunner(server)
         before = Before(server, args.before.resolve())
         after.setup()
+        before.setup()
         for rep in range(args.reps):
             for system, label in ((before, args.label), (after, "this tree")):
                 for batch in (1, 10):
@@ -95,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{' '.join(f'{x:.2f}' for x in load_before)}, after "
         f"{' '.join(f'{x:.2f}' for x in meta['load_after'])}. {args.workers} worker "
         f"processes, {args.tasks:,} no-op tasks with 1,000 shard keys, median of "
-        f"{args.reps} (min-max). Same server, same schema; only the worker and queue code "
-        "differ.\n",
+        f"{args.reps} (min-max). Same server; only the worker, queue code and schema "
+        "differ (each on its own database, migrated by its own tree).\n",
         table(["code", "claim batch", "tasks/s", "PostgreSQL µs/task", "worker µs/task",
                "WAL bytes/task"],
               rows) + "\n"])

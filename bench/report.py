@@ -104,6 +104,8 @@ def write_report(results: dict, out: Path) -> Path:
                            [[r["visibility_timeout_s"], r["heartbeat_s"], r["recovered_s"],
                              r["attempt"]] for r in results["recovery"]]) + "\n")
     parts.append(_footprint(results))
+    if results.get("controller"):
+        parts.append(_controller(results["controller"]))
     if results.get("pgbouncer"):
         parts.append(_bouncer(results["pgbouncer"]))
     if checks:
@@ -261,11 +263,80 @@ def _footprint(results: dict) -> str:
         rows.append(["idle worker process: resident memory", f"{f['worker_rss_mib']} MiB"])
         rows.append(["idle worker process: threads / PostgreSQL connections",
                      f"{f['worker_threads']} / {f['worker_connections']}"])
-    rows.append(["controller watching 100 BatchRuns: resident memory", "not measured yet"])
+    c = results.get("controller")
+    if c:
+        w = c["watching"]
+        rows.append([f"controller watching {c['batchruns']} BatchRuns: resident memory",
+                     f"{w['rss_mib']} MiB (just started, 0 BatchRuns: "
+                     f"{c['idle']['rss_mib']} MiB)"])
+        rows.append([f"controller watching {c['batchruns']} BatchRuns: threads / PostgreSQL "
+                     "connections", f"{w['threads']} / {w['connections']}"])
+    else:
+        rows.append(["controller watching 100 BatchRuns: resident memory", "not measured yet"])
     for r in results.get("history", []):
         rows.append([f"one status refresh (count query), batch of {r['batch_rows']:,} tasks",
                      f"{r['count_query_ms']} ms"])
     return "## 7. Footprint\n\n" + table(["what", "measured"], rows) + "\n"
+
+
+def _controller(c: dict) -> str:
+    idle, w, n = c["idle"], c["watching"], c["batchruns"]
+    header = ["", "just started (0 BatchRuns)", f"watching {n} BatchRuns"]
+
+    def row(label: str, key: str, fmt: str = "{}") -> list[object]:
+        return [label, fmt.format(idle[key]), fmt.format(w[key])]
+
+    usage = [
+        ["resident memory, median (max) MiB", f"{idle['rss_mib']} ({idle['rss_max_mib']})",
+         f"{w['rss_mib']} ({w['rss_max_mib']})"],
+        ["resident memory, first → last sample MiB",
+         f"{idle['rss_first_mib']} → {idle['rss_last_mib']}",
+         f"{w['rss_first_mib']} → {w['rss_last_mib']}"],
+        row("threads", "threads"),
+        row("PostgreSQL connections (application_name jobrunner-controller)", "connections"),
+        row("PostgreSQL connections to its database, any name", "connections_any_name"),
+        row("controller CPU, s per minute", "cpu_s_per_min"),
+        row("PostgreSQL CPU, s per minute", "postgres_cpu_s_per_min"),
+        row("kube-apiserver CPU, s per minute", "apiserver_cpu_s_per_min"),
+        row("sampled over, s", "window_s"),
+    ]
+    errors = c.get("reconcile_errors") or {}
+    levels = c.get("log", {}).get("levels", {})
+    reconcile = [
+        ["`kubectl apply` of all BatchRuns", f"{c['apply_s']} s"],
+        ["apply → first / half / all reconciled (enqueued, Job created, phase set)",
+         f"{c['first_reconciled_s']} / {c['reconciled_p50_s']} / {c['reconciled_s']} s"],
+        ["phases afterwards", ", ".join(f"{k} {v}" for k, v in c["phases"].items())],
+        ["Jobs / tasks enqueued", f"{c['jobs']} / {c['tasks_enqueued']:,}"],
+        ["reconcile errors (metric, by reason)",
+         ", ".join(f"{k} {v:.0f}" for k, v in errors.items()) or "none"],
+        ["controller log: warnings / errors",
+         f"{levels.get('warning', 0)} / {levels.get('error', 0) + levels.get('critical', 0)}"],
+    ]
+    if "stop_s" in c:
+        reconcile.append(["SIGTERM → the controller exited",
+                          f"{c['stop_s']} s (exit code {c['stop_returncode']})"])
+    shutdown = c.get("log_shutdown", {}).get("levels", {})
+    if shutdown.get("warning") or shutdown.get("error"):
+        reconcile.append(["… while stopping (SIGTERM): warnings / errors",
+                          f"{shutdown.get('warning', 0)} / {shutdown.get('error', 0)}"])
+    messages = c.get("log", {}).get("messages", [])
+    text = [f"## 7b. The controller watching {n} BatchRuns\n",
+            "`python -m controller` (standalone, one namespace, the chart's status refresh "
+            f"every {c['refresh_seconds']:g} s, metrics and health servers on) against a real "
+            "kube-apiserver, etcd and kube-controller-manager (tests/e2e/harness), its queue "
+            f"on this server. {n} BatchRuns of {c['tasks_per_run']} tasks and one worker "
+            "each are applied at once; there is no kubelet, so their pods stay Pending and "
+            "only the controller works. Sampled once a second: resident memory and threads "
+            "of the controller process, its connections in `pg_stat_activity`; CPU from "
+            "/proc over the window (PostgreSQL: every backend of the server; the API server also "
+            "serves the controller-manager).\n",
+            table(header, usage) + "\n", table(["", ""], reconcile) + "\n"]
+    messages += [f"(stopping) {m}" for m in c.get("log_shutdown", {}).get("messages", [])]
+    if messages:
+        text.append("Warnings and errors in the controller's log (first of each):\n")
+        text.append("\n".join(f"- `{m}`" for m in messages) + "\n")
+    return "\n".join(text)
 
 
 def _bouncer(b: dict) -> str:

@@ -55,9 +55,21 @@ class System:
         raise NotImplementedError
 
     def sql(self, statement: str, params: tuple = ()) -> list[tuple]:
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            cur = conn.execute(statement, params)
-            return cur.fetchall() if cur.description else []
+        # One autocommit connection, kept: the harness polls done counts every 50 ms,
+        # and a new connection each time (fork + SCRAM) would cost the server more CPU
+        # than the systems under test spend on some of their tasks.
+        for attempt in (1, 2):
+            conn = getattr(self, "_conn", None)
+            if conn is None or conn.closed:
+                conn = self._conn = psycopg.connect(self.dsn, autocommit=True)
+            try:
+                cur = conn.execute(statement, params)
+                return cur.fetchall() if cur.description else []
+            except psycopg.OperationalError:
+                conn.close()  # the server restarted (history, pgbouncer): reconnect once
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def connections(self) -> int:
         return self.sql("SELECT count(*) FROM pg_stat_activity WHERE datname = %s"

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -18,6 +17,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from jobrunner.db import describe_error
 from jobrunner.migrate import migrate
 from jobrunner.queue import Queue
+
+from .kube import core_api
 
 
 class DatabaseProblem(Exception):
@@ -41,7 +42,7 @@ def read_dsn(namespace: str, secret_name: str, key: str) -> str:
     if cached and time.monotonic() - cached[0] < _SECRET_TTL:
         return cached[1]
     try:
-        secret = client.CoreV1Api().read_namespaced_secret(secret_name, namespace)
+        secret = core_api().read_namespaced_secret(secret_name, namespace)
     except ApiException as exc:
         _secrets.pop(cache_key, None)
         if exc.status == 404:

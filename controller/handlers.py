@@ -11,7 +11,6 @@ import logging
 from typing import Any
 
 import kopf
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from jobrunner.errors import BadInput, UnknownBatch
@@ -23,6 +22,7 @@ from .conditions import get_condition, now_iso, set_condition
 from .config import CONFIG, GROUP, PLURAL, VERSION
 from .database import DatabaseProblem, queue_for, read_dsn
 from .jobs import build_job, default_batch_id, job_name
+from .kube import batch_api
 
 TERMINAL = ("Succeeded", "Failed", "Cancelled")
 log = logging.getLogger("jobrunner.controller")
@@ -257,7 +257,7 @@ def _database_problem(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
 def _ensure_job(body: kopf.Body, run: BatchRunSpec, st: dict[str, Any], batch_id: str,
                 secret: str, key: str) -> Any:
     """Exactly one Job per BatchRun, ever: a deterministic name, create-or-read."""
-    api = client.BatchV1Api()
+    api = batch_api()
     ns, name = body.metadata.namespace, job_name(body.metadata.name, body.metadata.uid)
     try:
         job = api.read_namespaced_job(name, ns)

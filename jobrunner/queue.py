@@ -39,6 +39,7 @@ class Lease:
     attempt: int
     max_attempts: int
     locked_until: datetime
+    run_after: datetime | None = None  # its position in the claim order (run_after, id)
 
 
 @dataclass(frozen=True)
@@ -94,10 +95,11 @@ _PIPELINE = psycopg.Pipeline.is_supported()
 
 def _lease(row: tuple) -> Lease:
     # Columns of ack_and_claim's result, in order (see sql/queries.sql).
-    _, id_, batch_id, key, tenant_id, shard_key, payload, attempt, max_attempts, until = row
+    (_, id_, batch_id, key, tenant_id, shard_key, payload, attempt, max_attempts, until,
+     run_after) = row
     return Lease(id=id_, batch_id=batch_id, key=key, tenant_id=tenant_id,
                  shard_key=shard_key, payload=payload, attempt=attempt,
-                 max_attempts=max_attempts, locked_until=until)
+                 max_attempts=max_attempts, locked_until=until, run_after=run_after)
 
 
 def _int_array(values: Iterable[int]) -> str:
@@ -115,6 +117,9 @@ class Queue:
         self.timing = timing or Timing()
         self.statement_timeout_ms = statement_timeout_ms
         self._pooled = transaction_pooling()
+        # Per batch: where this connection's next claim starts scanning, and when it last
+        # scanned from the start (see "Scan position" in sql/queries.sql).
+        self._scan_from: dict[str, tuple[datetime, int, float]] = {}
 
     def _cursor(self, row_factory: RowFactory = tuple_row) -> psycopg.Cursor:
         # Rows of a known shape, whatever row factory the caller's connection has.
@@ -238,8 +243,12 @@ class Queue:
         return self.complete_and_claim(worker_id, (), batch_id, limit)[1]
 
     def _ack_and_claim_params(self, worker_id: str, successes: Sequence[Outcome],
-                              batch_id: str | None, limit: int) -> dict[str, Any]:
+                              batch_id: str | None, limit: int,
+                              after: tuple[datetime, int, float] | None = None
+                              ) -> dict[str, Any]:
         return {"worker_id": worker_id,
+                "after_run_after": after[0] if after else "-infinity",
+                "after_id": after[1] if after else 0,
                 "ids": _int_array(o.lease.id for o in successes),
                 "attempts": _int_array(o.lease.attempt for o in successes),
                 "results": json.dumps([o.result for o in successes], allow_nan=False),
@@ -326,18 +335,40 @@ class Queue:
         claiming = bool(limit and batch_id is not None)
         steps: list[tuple[str, Any]] = [
             (query("fail"), self._fail_params(worker_id, f)) for f in failures]
+        after = self._scan_position(batch_id) if claiming else None
         if successes or claiming:
             steps.append((query("ack_and_claim"), self._ack_and_claim_params(
-                worker_id, successes, batch_id if claiming else None, limit)))
+                worker_id, successes, batch_id if claiming else None, limit, after)))
         kept, busy, leases = self._run_completion(failures, steps)
         if claiming and len(leases) < limit and any(
                 o.lease.shard_key and o.lease.id in kept for o in successes):
             # The ack released a shard that the claim, reading the same snapshot, still
             # saw as busy: claim again so that shard's next task is not left waiting.
-            again = self._ack_and_claim_params(worker_id, (), batch_id, limit - len(leases))
+            again = self._ack_and_claim_params(worker_id, (), batch_id, limit - len(leases),
+                                               after)
             _, _, more = self._run_completion([], [(query("ack_and_claim"), again)])
             leases = sorted(leases + more, key=lambda lease: lease.id)
+        if claiming:
+            self._remember_scan_position(batch_id, after, leases, limit)
         return kept, busy, leases
+
+    # A claim scans from the start of the batch at least this often (seconds).
+    FULL_SCAN_EVERY = 1.0
+
+    def _scan_position(self, batch_id: str) -> tuple[datetime, int, float] | None:
+        after = self._scan_from.get(batch_id)
+        if after is None or time.monotonic() - after[2] >= self.FULL_SCAN_EVERY:
+            return None
+        return after
+
+    def _remember_scan_position(self, batch_id: str, after: tuple | None,
+                                leases: list[Lease], limit: int) -> None:
+        if len(leases) < limit or any(lease.run_after is None for lease in leases):
+            self._scan_from.pop(batch_id, None)  # short: the next claim starts over
+            return
+        last = max(leases, key=lambda lease: (lease.run_after, lease.id))
+        full_scan_at = after[2] if after else time.monotonic()
+        self._scan_from[batch_id] = (last.run_after, last.id, full_scan_at)
 
     def _run_completion(self, failures: Sequence[Outcome], steps: list[tuple[str, Any]]
                         ) -> tuple[set[int], set[int], list[Lease]]:

@@ -64,6 +64,16 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 -- EXISTS is only a pre-filter that keeps rows of busy shards out of the LIMIT;
 -- correctness comes from the INSERT.
 --
+-- Scan position: the pending index keeps an entry for every row claimed since the last
+-- vacuum (the entry of its old, pending version), and every scan from the start of the
+-- batch steps over all of them: at 20,000 claims since the last vacuum a claim cost a
+-- third more server CPU, and it grows with the batch. So a worker starts its scan just
+-- after the (run_after, id) of its previous claim; it scans from the start again at
+-- least every second and after any claim that came back short, so a task passed over
+-- (its shard was busy, or another worker held its row) waits at most about a second
+-- longer. Every other way a row becomes pending again (retry, expiry, release,
+-- requeue) gives it run_after = now(), past every worker's position.
+--
 -- The halves touch disjoint rows (acked rows are leased, candidates pending). All CTEs
 -- read one snapshot, so a shard this ack releases still looks busy to this claim's
 -- pre-filter: its next task goes to the next claim (this worker's or another's).
@@ -87,10 +97,11 @@ acked AS (
       AND q.attempts = t.attempt
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
-    RETURNING q.id
+    RETURNING q.id, q.tenant_id, q.shard_key
 ),
 released AS (
-    DELETE FROM agent_shard_lease s USING acked WHERE s.task_id = acked.id
+    DELETE FROM agent_shard_lease s USING acked
+    WHERE (s.tenant_id, s.shard_key, s.task_id) = (acked.tenant_id, acked.shard_key, acked.id)
 ),
 candidates AS (
     SELECT q.id, q.tenant_id, coalesce(q.shard_key, '') AS shard_key
@@ -98,6 +109,9 @@ candidates AS (
     WHERE q.batch_id = %(batch_id)s
       AND q.status = 'pending'
       AND q.run_after <= now()
+      -- Where this worker's scan starts (the position after its last claim, or the
+      -- start: '-infinity', 0): see "Scan position" above.
+      AND (q.run_after, q.id) > (%(after_run_after)s::timestamptz, %(after_id)s::bigint)
       AND NOT EXISTS (
           SELECT 1 FROM agent_shard_lease s
           WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
@@ -133,7 +147,7 @@ claimed AS (
         updated_at = now()
     WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
-              q.attempts, q.max_attempts, q.locked_until
+              q.attempts, q.max_attempts, q.locked_until, q.run_after
 )
 -- No row lock is ever waited for: acks and claims both skip locked rows, and the
 -- shard-lease inserts wait only on other inserts of the same key, taken in key order;
@@ -142,15 +156,17 @@ claimed AS (
 -- deadlocked for deadlock_timeout at 8 workers.)
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
        NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
-       NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until
+       NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until,
+       NULL::timestamptz AS run_after
 FROM acked
 UNION ALL
-SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM agent_work_queue b
 WHERE b.id = ANY(%(ids)s::bigint[]) AND b.id <> ALL(ARRAY(SELECT id FROM lockable))
+  AND cardinality(%(ids)s::bigint[]) > (SELECT count(*) FROM lockable)  -- else not run
 UNION ALL
 SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts,
-       max_attempts, locked_until
+       max_attempts, locked_until, run_after
 FROM claimed;
 
 -- name: heartbeat
@@ -190,10 +206,11 @@ WITH failed AS (
       AND q.attempts = %(attempt)s
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
-    RETURNING q.id, q.status, q.run_after
+    RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key
 ),
 released AS (
-    DELETE FROM agent_shard_lease s USING failed WHERE s.task_id = failed.id
+    DELETE FROM agent_shard_lease s USING failed
+    WHERE (s.tenant_id, s.shard_key, s.task_id) = (failed.tenant_id, failed.shard_key, failed.id)
 )
 SELECT id, status, run_after FROM failed;
 
@@ -213,10 +230,11 @@ WITH released_tasks AS (
       AND q.attempts = t.attempt
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
-    RETURNING q.id
+    RETURNING q.id, q.tenant_id, q.shard_key
 ),
 released AS (
-    DELETE FROM agent_shard_lease s USING released_tasks r WHERE s.task_id = r.id
+    DELETE FROM agent_shard_lease s USING released_tasks r
+    WHERE (s.tenant_id, s.shard_key, s.task_id) = (r.tenant_id, r.shard_key, r.id)
 )
 SELECT id FROM released_tasks;
 
@@ -242,10 +260,11 @@ moved AS (
         locked_until = NULL,
         updated_at = now()
     WHERE q.id = ANY(ARRAY(SELECT id FROM expired))
-    RETURNING q.id, q.batch_id, q.status
+    RETURNING q.id, q.batch_id, q.status, q.tenant_id, q.shard_key
 ),
 released AS (
-    DELETE FROM agent_shard_lease s USING moved WHERE s.task_id = moved.id
+    DELETE FROM agent_shard_lease s USING moved
+    WHERE (s.tenant_id, s.shard_key, s.task_id) = (moved.tenant_id, moved.shard_key, moved.id)
 )
 SELECT id, batch_id, status FROM moved;
 

@@ -281,3 +281,31 @@ def test_health_reports_stuck_leases(queue: Queue, conn):
     conn.commit()
     health = queue.health("b")
     assert health["stuck"] == 1 and health["oldest_pending_seconds"] >= 0
+
+
+def test_claims_resume_after_their_last_position_and_rescan_from_the_start(queue: Queue):
+    """A worker's next claim starts scanning after its previous claim (so it does not
+    step over the index entries of every row claimed since the last vacuum); a task it
+    passed over is claimed again once a claim comes back short, or after a second."""
+    other = Queue(queue.conn, queue.timing)  # a second worker: its own scan position
+    queue.enqueue("b", "acme", [TaskSpec(key="a", payload={}, shard_key="s"),
+                                TaskSpec(key="b", payload={}, shard_key="s"),
+                                *tasks(3, prefix="c")])
+    (a,) = queue.claim("b", W1, limit=1)
+    assert a.key == "a"
+    # shard s is busy: "b" is passed over; the claim is full, so the position is kept
+    assert [lease.key for lease in other.claim("b", W2, limit=2)] == ["c0", "c1"]
+    assert queue.ack(W1, a)  # shard s is free again, but "b" is behind W2's position
+    assert [lease.key for lease in other.claim("b", W2, limit=1)] == ["c2"]
+    assert other.claim("b", W2, limit=1) == []  # short: the next claim starts over
+    assert [lease.key for lease in other.claim("b", W2, limit=1)] == ["b"]
+
+    # the same after the full-scan interval, without a short claim in between
+    queue.enqueue("b", "acme", [TaskSpec(key="d", payload={}, shard_key="t"),
+                                TaskSpec(key="e", payload={}, shard_key="t"),
+                                *tasks(3, prefix="f")])
+    (d,) = queue.claim("b", W1, limit=1)
+    assert [lease.key for lease in other.claim("b", W2, limit=1)] == ["f0"]
+    assert queue.ack(W1, d)
+    other.FULL_SCAN_EVERY = 0.0
+    assert [lease.key for lease in other.claim("b", W2, limit=1)] == ["e"]

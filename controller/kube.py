@@ -1,0 +1,33 @@
+"""One Kubernetes API client for the whole controller process.
+
+`client.BatchV1Api()` without an argument builds a new ApiClient, hence a new
+connection pool and a TLS handshake, on every call; with 100 BatchRuns refreshed every
+few seconds that handshake was most of the controller's CPU (bench, controller stage).
+The ApiClient's urllib3 pool is thread-safe, so kopf's handler threads share it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kubernetes import client
+
+_lock = threading.Lock()
+_client: client.ApiClient | None = None
+
+
+def api_client() -> client.ApiClient:
+    """The shared client, created on first use (after the kubeconfig was loaded)."""
+    global _client
+    with _lock:
+        if _client is None:
+            _client = client.ApiClient()
+        return _client
+
+
+def batch_api() -> client.BatchV1Api:
+    return client.BatchV1Api(api_client())
+
+
+def core_api() -> client.CoreV1Api:
+    return client.CoreV1Api(api_client())
