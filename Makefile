@@ -38,7 +38,7 @@ system-deps:
 cluster: e2e-bins
 	$(PY) -m tests.e2e.harness.cluster
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed system-deps e2e-bins
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench
 

@@ -32,7 +32,7 @@ ALL = ["throughput", "history", "shards", "enqueue", "latency", "recovery", "foo
 @dataclass
 class Plan:
     tasks: int = 20_000
-    reps: int = 3
+    reps: int = 5
     workers: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     cap: float = 8.0
     pgbench_seconds: float = 5.0

@@ -93,9 +93,11 @@ class Server:
     def postmaster_pid(self) -> int:
         return int((self.pg.data / "postmaster.pid").read_text().split()[0])
 
-    def cpu_seconds(self) -> float:
-        """CPU time (user + system) of the postmaster's live children, in seconds."""
-        return sum(process_cpu(pid) for pid in children(self.postmaster_pid()))
+    def cpu_seconds(self, exclude: frozenset[int] = frozenset()) -> float:
+        """CPU time (user + system) of the postmaster's live children, in seconds,
+        without the backends in `exclude` (the harness's own connections)."""
+        return sum(process_cpu(pid) for pid in children(self.postmaster_pid())
+                   if pid not in exclude)
 
     def stop(self) -> None:
         self.pg.destroy()

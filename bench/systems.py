@@ -71,6 +71,12 @@ class System:
                     raise
         raise AssertionError("unreachable")
 
+    def poll_backend(self) -> int:
+        """The server process behind the harness's polling connection (its CPU is the
+        harness's, not the system's)."""
+        self.sql("SELECT 1")
+        return self._conn.info.backend_pid
+
     def connections(self) -> int:
         return self.sql("SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
                         " AND application_name LIKE %s AND pid <> pg_backend_pid()",

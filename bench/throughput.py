@@ -5,7 +5,8 @@ queue and wait until they are all connected and idle, then enqueue the tasks in 
 transaction (its NOTIFY wakes the workers) and poll the done count every 50 ms. The
 rate is tasks done / seconds from the enqueue's commit to the last task done (or to
 the time cap, for systems too slow to drain in time). Worker start-up is therefore not
-counted, for any system.
+counted, for any system. Server CPU is that of every server process except the backend
+of the harness's own polling connection.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def measure(server: Server, system: System, workers: int, batch: int, tasks: int
             if p.poll() is not None:
                 raise RuntimeError(f"{system.name} worker exited with {p.returncode}"
                                    f" (log: {logdir})")
-        cpu_pg0 = server.cpu_seconds()
+        harness = frozenset({system.poll_backend()})
+        cpu_pg0 = server.cpu_seconds(harness)
         cpu_w0 = sum(tree_cpu(p.pid) for p in procs)
         wal0 = server.wal_lsn()
         system.enqueue(tasks)
@@ -74,7 +76,7 @@ def measure(server: Server, system: System, workers: int, batch: int, tasks: int
                 capped = True
                 break
         seconds = now - start
-        cpu_pg = server.cpu_seconds() - cpu_pg0
+        cpu_pg = server.cpu_seconds(harness) - cpu_pg0
         cpu_w = sum(tree_cpu(p.pid) for p in procs) - cpu_w0
         wal = server.wal_lsn() - wal0
     return Run(system.name, workers, batch, tasks, done, round(seconds, 3),
