@@ -189,6 +189,21 @@ def _exit_on_sigterm(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds: workers stopped, server destroyed
 
 
+def _merged(previous: dict, rerun: dict, stages: list[str]) -> dict:
+    """The previous run with `stages` replaced by a re-run's, recorded in meta.rerun."""
+    merged = dict(previous)
+    keys = {"history": ("history", "retention"), "throughput": ("throughput", "pgbench")}
+    for stage in stages:
+        for key in keys.get(stage, (stage,)):
+            if key in rerun:
+                merged[key] = rerun[key]
+        merged["meta"].setdefault("rerun", {})[stage] = {
+            "started": rerun["meta"]["started"], "command": rerun["meta"]["command"],
+            "load": rerun["meta"].get("load", {}).get(stage),
+            "postgres": rerun["meta"].get("postgres")}
+    return merged
+
+
 def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
@@ -201,6 +216,10 @@ def main(argv: list[str] | None = None) -> None:
                              "new temporary directory)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report from an existing results.json")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --only: re-run those stages and replace them in the "
+                             "existing results.json; the report says which stages were "
+                             "re-run, when, and on which (other) server")
     args = parser.parse_args(argv)
     out = args.out or (Path(tempfile.mkdtemp(prefix="jobrunner-bench-quick-")) if args.quick
                        else env.REPO / "bench" / "results")
@@ -211,7 +230,11 @@ def main(argv: list[str] | None = None) -> None:
         unknown = set(only) - set(ALL)
         if unknown:
             parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+        previous = json.loads((out / "results.json").read_text()) if args.merge else None
         results = run(QUICK if args.quick else Plan(), only, out)
+        if previous is not None:
+            results = _merged(previous, results, only)
+            (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     path = write_report(results, out)
     print(f"report: {path}")
 
