@@ -7,6 +7,7 @@ import json
 import pytest
 
 from jobrunner.queue import Queue
+from jobrunner.sqlfiles import migrations
 from tests.conftest import cli
 
 LINES = "\n".join(json.dumps(t) for t in [
@@ -23,7 +24,7 @@ def counts(conn, batch: str) -> dict:
 def test_migrate_is_idempotent(empty_dsn):
     first = cli("migrate", "--dsn", empty_dsn)
     assert first.returncode == 0, first.stderr
-    assert "applied 6 migration(s)" in first.stdout
+    assert f"applied {len(migrations())} migration(s)" in first.stdout
     second = cli("migrate", "--dsn", empty_dsn)
     assert "schema is up to date" in second.stdout
 
