@@ -9,7 +9,6 @@ the control plane) does work while it is measured.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import statistics
@@ -26,7 +25,6 @@ import yaml
 from jobrunner.embedded import free_port
 
 from .env import (
-    REPO,
     Server,
     child_env,
     children,
@@ -42,7 +40,6 @@ NAMESPACE = "bench"
 TASKS_PER_RUN = 10
 APP_NAME = "jobrunner-controller"  # the controller's pool sets this application_name
 REFRESH_SECONDS = "5"  # the chart's default (controller.refreshSeconds); e2e tests use 1
-CRDS = [REPO / "crds" / "batchrun.yaml", REPO / "crds" / "kopf-peering.yaml"]
 
 
 class ControllerDb(Jobrunner):
@@ -77,18 +74,14 @@ def start_cluster(bin_dir: Path) -> Any:
 
 def prepare_namespace(cluster: Any, dsn: str) -> None:
     """CRDs, the namespace and the default database Secret (what the chart and a user do)."""
-    for crd in CRDS:
-        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", crd)
-    cluster.kubectl("wait", "--for=condition=Established", "crd/batchruns.jobrunner.dev",
-                    "--timeout=60s")
+    from tests.e2e.operator_support import apply_crds, create_db_secret
+
+    apply_crds(cluster)
     cluster.kubectl("create", "namespace", NAMESPACE)
     # the Job controller cannot create pods before the namespace's default account exists
     cluster.kubectl("wait", "--for=create", "serviceaccount/default", "-n", NAMESPACE,
                     "--timeout=60s")
-    secret = {"apiVersion": "v1", "kind": "Secret",
-              "metadata": {"name": "jobrunner-db", "namespace": NAMESPACE},
-              "data": {"dsn": base64.b64encode(dsn.encode()).decode()}}
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(secret))
+    create_db_secret(cluster, NAMESPACE, dsn)
     # A CRD that was just established still answers with 429 "storage is (re)initializing"
     # for a moment; a controller started then logs a retried error that a real installation
     # (CRDs installed long before) never sees. Once kubectl can list BatchRuns, the API
