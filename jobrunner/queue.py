@@ -20,6 +20,7 @@ from psycopg.rows import RowFactory, dict_row, tuple_row
 
 from .db import transaction_pooling
 from .errors import BadInput, UnknownBatch
+from .prepared import PreparedStatement
 from .sqlfiles import query
 from .validation import TaskSpec, check_identifier, check_max_attempts, encode_payload
 
@@ -57,6 +58,7 @@ class Outcome:
     result: Any = None
     error: str | None = None
     permanent: bool = False
+    encoded: str | None = None  # the result as JSON, when the caller already encoded it
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ _SETTINGS = ("SELECT set_config('plan_cache_mode', 'force_generic_plan', %(local
 _session_timeouts: weakref.WeakKeyDictionary[psycopg.Connection, str | None] = (
     weakref.WeakKeyDictionary())
 _IDLE = psycopg.pq.TransactionStatus.IDLE
+# The statement a worker runs once per task (or per claimed batch): see jobrunner/prepared.py.
+_ACK_AND_CLAIM = PreparedStatement("jobrunner_ack_and_claim", query("ack_and_claim"))
 _PIPELINE = psycopg.Pipeline.is_supported()
 
 
@@ -251,7 +255,7 @@ class Queue:
                 "after_id": after[1] if after else 0,
                 "ids": _int_array(o.lease.id for o in successes),
                 "attempts": _int_array(o.lease.attempt for o in successes),
-                "results": json.dumps([o.result for o in successes], allow_nan=False),
+                "results": "[" + ",".join(_encoded(o) for o in successes) + "]",
                 "batch_id": batch_id or "", "limit": limit if batch_id is not None else 0,
                 "visibility_timeout": self.timing.visibility_timeout}
 
@@ -372,32 +376,57 @@ class Queue:
 
     def _run_completion(self, failures: Sequence[Outcome], steps: list[tuple[str, Any]]
                         ) -> tuple[set[int], set[int], list[Lease]]:
+        if not failures and len(steps) == 1 and self._direct():
+            # The worker's loop without failures: one prepared statement (jobrunner/prepared.py).
+            return self._completed(set(), _ACK_AND_CLAIM.execute(self.conn, steps[0][1]))
         cursors = self._one_round_trip(steps)
-        if cursors is not None:
-            return self._completed(failures, cursors)
-        with self._tx():
-            self._limit_statement_time()
-            return self._completed(
-                failures, [self._cursor().execute(sql, params) for sql, params in steps])
+        if cursors is None:
+            with self._tx():
+                self._limit_statement_time()
+                return self._from_cursors(failures, [
+                    self._cursor().execute(sql, params) for sql, params in steps])
+        return self._from_cursors(failures, cursors)
+
+    def _direct(self) -> bool:
+        """Whether ack_and_claim may run as this connection's own prepared statement: not
+        behind a transaction pooler or with prepared statements turned off, and not inside
+        a transaction the caller opened (the statement must be its own transaction)."""
+        conn = self.conn
+        if self._pooled or conn.prepare_threshold is None or conn.info.transaction_status != _IDLE:
+            return False
+        if conn.autocommit:
+            self._session_settings()
+        else:
+            # (not inside a transaction of psycopg's own, which would then hold the claim)
+            conn.autocommit = True
+            try:
+                self._session_settings()
+            finally:
+                conn.autocommit = False
+        return True
+
+    def _from_cursors(self, failures: Sequence[Outcome], cursors: Sequence[psycopg.Cursor]
+                      ) -> tuple[set[int], set[int], list[Lease]]:
+        failed = {failure.lease.id for failure, cur in zip(failures, cursors, strict=False)
+                  if cur.fetchone() is not None}
+        rows = cursors[-1].fetchall() if len(cursors) > len(failures) else []
+        return self._completed(failed, rows)
 
     @staticmethod
-    def _completed(failures: Sequence[Outcome], cursors: Sequence[psycopg.Cursor]
+    def _completed(failed: set[int], rows: Sequence[tuple]
                    ) -> tuple[set[int], set[int], list[Lease]]:
-        kept: set[int] = set()
+        """Sort ack_and_claim's rows (see sql/queries.sql) into kept, busy and leases."""
+        kept = failed
         busy: set[int] = set()
-        for failure, cur in zip(failures, cursors, strict=False):
-            if cur.fetchone() is not None:
-                kept.add(failure.lease.id)
         leases: list[Lease] = []
-        if len(cursors) > len(failures):
-            for row in cursors[-1].fetchall():
-                outcome = row[0]
-                if outcome == "leased":
-                    leases.append(_lease(row))
-                elif outcome == "acked":
-                    kept.add(row[1])
-                else:
-                    busy.add(row[1])
+        for row in rows:
+            outcome = row[0]
+            if outcome == "leased":
+                leases.append(_lease(row))
+            elif outcome == "acked":
+                kept.add(row[1])
+            else:
+                busy.add(row[1])
         leases.sort(key=lambda lease: lease.id)
         return kept, busy, leases
 
@@ -489,7 +518,10 @@ def _float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def dumps_result(value: Any) -> Any:
-    """Check a handler's return value is JSON; raises TypeError/ValueError if not."""
-    json.dumps(value, allow_nan=False)
-    return value
+def dumps_result(value: Any) -> str:
+    """A handler's return value as JSON; raises TypeError/ValueError if it is not JSON."""
+    return json.dumps(value, allow_nan=False)
+
+
+def _encoded(outcome: Outcome) -> str:
+    return outcome.encoded if outcome.encoded is not None else dumps_result(outcome.result)

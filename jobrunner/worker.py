@@ -381,12 +381,12 @@ class Worker:
         if task.lease_lost.is_set():
             return Outcome(lease, False, error="lease lost while the handler ran")
         try:
-            dumps_result(result)
+            encoded = dumps_result(result)
         except (TypeError, ValueError) as exc:
             # Retrying cannot fix this: the handler's code returns the wrong type.
             return Outcome(lease, False, permanent=True,
                            error=f"handler returned a value that is not JSON: {exc}")
-        return Outcome(lease, True, result=result)
+        return Outcome(lease, True, result=result, encoded=encoded)
 
     def _account(self, outcomes: list[Outcome], kept: set[int]) -> None:
         for outcome in outcomes:

@@ -9,6 +9,7 @@ import zipfile
 from pathlib import Path
 
 import psycopg
+import pytest
 
 from jobrunner.migrate import migrate, pending_migrations
 from jobrunner.sqlfiles import migrations, queries
@@ -85,3 +86,30 @@ def test_sql_ships_inside_the_wheel(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, env={"PYTHONPATH": str(target)})
     assert probe.returncode == 0, probe.stderr
     assert str(target) in probe.stdout and probe.stdout.split()[-1] == str(len(migrations()))
+
+
+def test_status_values_are_checked(conn):
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute("INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, payload,"
+                     " status) VALUES ('b', 't', 'k', '{}', 'finished')")
+    conn.rollback()
+
+
+def test_the_claim_reads_the_partial_index_of_pending_rows(conn):
+    # The generic plan the workers run (session settings as jobrunner/queue.py sets them):
+    # with status a domain over text, `status = 'pending'` must still match the index
+    # predicate.
+    from jobrunner.prepared import PreparedStatement
+
+    stmt = PreparedStatement("x", queries()["ack_and_claim"])
+    conn.execute("SET plan_cache_mode = force_generic_plan")
+    conn.execute("SET enable_seqscan = off")
+    conn.execute("SET enable_bitmapscan = off")
+    conn.execute(b"PREPARE claim AS " + stmt.sql)
+    values = {"ids": "{}", "attempts": "{}", "results": "[]", "worker_id": "w",
+              "batch_id": "b", "limit": "1", "visibility_timeout": "60",
+              "after_run_after": "-infinity", "after_id": "0"}
+    args = ", ".join(f"'{values[p]}'" for p in stmt.params)
+    plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(f"EXPLAIN EXECUTE claim({args})"))
+    conn.rollback()
+    assert "agent_work_queue_batch_pending_idx" in plan, plan
