@@ -7,8 +7,9 @@ row maker) cost about as much client CPU as everything else the worker does for 
 machine where workers and PostgreSQL share cores, that CPU is throughput. So the one
 statement that runs per task goes through psycopg's documented libpq wrapper
 (``Connection.pgconn``) instead: parameters are sent as text (the caller passes them
-already as strings), results come back in binary and are decoded by column type, which
-also makes them independent of the session's DateStyle.
+already as strings), results come back in binary, which makes them independent of the
+session's DateStyle, and are decoded by the connection's own psycopg loaders through a
+``psycopg.adapt.Transformer`` (C code, the one a cursor uses) kept per connection.
 
 Everything else (errors, reconnects, the session settings) stays psycopg's: a failed
 statement raises the same ``psycopg.errors`` class the cursor would raise, and a
@@ -18,41 +19,21 @@ it waits, like psycopg's own waiting does.
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 import weakref
-from collections.abc import Callable, Mapping
-from datetime import UTC, datetime, timedelta
+from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg import errors, pq
+from psycopg.adapt import Transformer
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
-_PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
-_INT8 = struct.Struct("!q")
-_INT4 = struct.Struct("!i")
-_json = json.JSONDecoder().decode
-# The names prepared on each connection (a new connection starts with none).
-_prepared: weakref.WeakKeyDictionary[psycopg.Connection, set[bytes]] = (
+# What each connection has: the statement names prepared on it (a new connection starts
+# with none) and the psycopg Transformer that decodes its results.
+_prepared: weakref.WeakKeyDictionary[psycopg.Connection, tuple[set[bytes], Transformer]] = (
     weakref.WeakKeyDictionary())
-
-
-def _timestamptz(data: bytes) -> datetime:
-    return _PG_EPOCH + timedelta(microseconds=_INT8.unpack(data)[0])
-
-
-# Binary decoders by type OID, for the column types the hot statements return.
-_DECODERS: dict[int, Callable[[bytes], Any]] = {
-    16: lambda b: b == b"\x01",  # bool
-    20: lambda b: _INT8.unpack(b)[0],  # int8
-    23: lambda b: _INT4.unpack(b)[0],  # int4
-    25: lambda b: b.decode(),  # text
-    1043: lambda b: b.decode(),  # varchar
-    1184: _timestamptz,  # timestamptz
-    3802: lambda b: _json(b[1:].decode()),  # jsonb: a version byte (1), then the text
-}
 
 
 def _text(value: Any) -> bytes | None:
@@ -84,7 +65,6 @@ class PreparedStatement:
             return f"${positions[key]}"
 
         self.sql = _PLACEHOLDER.sub(number, sql).encode()
-        self._decoders: list[Callable[[bytes], Any]] | None = None
 
     def execute(self, conn: psycopg.Connection, params: Mapping[str, Any]
                 ) -> list[tuple]:
@@ -94,19 +74,16 @@ class PreparedStatement:
         values = [_text(params[key]) for key in self.params]
         with conn.lock:
             pgconn = conn.pgconn
-            names = _prepared.setdefault(conn, set())
+            names, loader = _prepared.get(conn) or _prepared.setdefault(
+                conn, (set(), Transformer(conn)))
             if self.name not in names:
                 self._check(conn, pgconn.prepare(self.name, self.sql), pq.ExecStatus.COMMAND_OK)
                 names.add(self.name)
             res = pgconn.exec_prepared(self.name, values, result_format=pq.Format.BINARY)
             self._check(conn, res, pq.ExecStatus.TUPLES_OK)
-            decoders = self._decoders
-            if decoders is None or len(decoders) != res.nfields:
-                decoders = self._decoders = [_DECODERS[res.ftype(i)] for i in range(res.nfields)]
-            get = res.get_value
-            rows = [tuple(None if (v := get(r, c)) is None else decode(v)
-                          for c, decode in enumerate(decoders))
-                    for r in range(res.ntuples)]
+            loader.set_pgresult(res)
+            rows = loader.load_rows(0, res.ntuples, tuple)
+            loader.set_pgresult(None)
             res.clear()
             return rows
 

@@ -34,8 +34,18 @@ WITH inserted AS (
     ORDER BY s.task_key
     ON CONFLICT (batch_id, task_key) DO NOTHING
     RETURNING 1
+),
+counted AS (
+    SELECT count(*) AS new FROM inserted
+),
+batch_tasks AS (
+    -- The batch's task count (status counts derive done from it), in the same
+    -- transaction as the rows; concurrent enqueues of one batch already queue up on
+    -- this row (ensure_batch locked it).
+    UPDATE agent_batch SET tasks = tasks + (SELECT new FROM counted)
+    WHERE batch_id = %(batch_id)s
 )
-SELECT count(*) AS new FROM inserted;
+SELECT new FROM counted;
 
 -- name: notify_batch
 SELECT pg_notify('jobrunner_queue', %(batch_id)s);
@@ -295,16 +305,22 @@ LIMIT %(limit)s;
 SELECT batch_id, tenant_id, created_at, cancelled_at FROM agent_batch WHERE batch_id = %(batch_id)s;
 
 -- name: counts
--- One aggregate per batch (an index-only scan of (batch_id, status)) plus the
--- few extra figures status reports; cheap enough for the controller's refresh timer.
-SELECT
-    count(*) FILTER (WHERE status = 'pending')   AS pending,
-    count(*) FILTER (WHERE status = 'leased')    AS leased,
-    count(*) FILTER (WHERE status = 'done')      AS done,
-    count(*) FILTER (WHERE status = 'dead')      AS dead,
-    count(*) FILTER (WHERE status = 'cancelled') AS cancelled
-FROM agent_work_queue
-WHERE batch_id = %(batch_id)s;
+-- Each unfinished status from the small index that holds only that status, done as the
+-- rest of the batch's task count, all in one snapshot (see migration 0009): the cost
+-- grows with the unfinished rows, not with the batch. (MATERIALIZED: otherwise each
+-- count is run once more for the done column.)
+WITH c AS MATERIALIZED (SELECT
+    coalesce((SELECT tasks FROM agent_batch WHERE batch_id = %(batch_id)s), 0) AS tasks,
+    (SELECT count(*) FROM agent_work_queue
+      WHERE batch_id = %(batch_id)s AND status = 'pending')   AS pending,
+    (SELECT count(*) FROM agent_work_queue
+      WHERE batch_id = %(batch_id)s AND status = 'leased')    AS leased,
+    (SELECT count(*) FROM agent_work_queue
+      WHERE batch_id = %(batch_id)s AND status = 'dead')      AS dead,
+    (SELECT count(*) FROM agent_work_queue
+      WHERE batch_id = %(batch_id)s AND status = 'cancelled') AS cancelled)
+SELECT pending, leased, tasks - pending - leased - dead - cancelled AS done, dead, cancelled
+FROM c;
 
 -- name: batch_health
 -- stuck: leased past the deadline and not rescued (should always be 0 while any
@@ -343,7 +359,8 @@ WHERE batch_id = %(batch_id)s AND task_key = %(task_key)s AND effect_key = %(eff
 
 -- name: retention_delete
 -- Deletes finished rows in small batches so the hot table stays small; a batch is
--- skipped if its rows are locked. Dead rows are kept unless asked for.
+-- skipped if its rows are locked. Dead rows are kept unless asked for. The batches'
+-- task counts go down with the rows, so status counts keep adding up.
 WITH old AS (
     SELECT id FROM agent_work_queue
     WHERE status = ANY(%(statuses)s::text[])
@@ -354,15 +371,25 @@ WITH old AS (
 ),
 archived AS (
     INSERT INTO agent_work_queue_archive
-    SELECT q.* FROM agent_work_queue q JOIN old USING (id)
-    WHERE %(archive)s
+    SELECT q.* FROM agent_work_queue q
+    WHERE q.id = ANY(ARRAY(SELECT id FROM old))  -- see "Plans" at the top of this file
+      AND %(archive)s
+),
+deleted AS (
+    DELETE FROM agent_work_queue q
+    WHERE q.id = ANY(ARRAY(SELECT id FROM old))
+    RETURNING q.id, q.batch_id
+),
+uncounted AS (
+    UPDATE agent_batch b SET tasks = b.tasks - d.n
+    FROM (SELECT batch_id, count(*) AS n FROM deleted GROUP BY batch_id) d
+    WHERE b.batch_id = d.batch_id
 )
-DELETE FROM agent_work_queue q USING old WHERE q.id = old.id
-RETURNING q.id;
+SELECT id FROM deleted;
 
 -- name: batch_open
 -- True while the batch has work that is not finished: pending (due now or later) or leased.
-SELECT EXISTS (
-    SELECT 1 FROM agent_work_queue
-    WHERE batch_id = %(batch_id)s AND status IN ('pending', 'leased')
-) AS open;
+SELECT EXISTS (SELECT 1 FROM agent_work_queue
+               WHERE batch_id = %(batch_id)s AND status = 'pending')
+    OR EXISTS (SELECT 1 FROM agent_work_queue
+               WHERE batch_id = %(batch_id)s AND status = 'leased') AS open;

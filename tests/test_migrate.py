@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from jobrunner.migrate import migrate, pending_migrations
+from jobrunner.migrate import _CREATE_VERSIONS, migrate, pending_migrations
 from jobrunner.sqlfiles import migrations, queries
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,3 +113,43 @@ def test_the_claim_reads_the_partial_index_of_pending_rows(conn):
     plan = "\n".join(r["QUERY PLAN"] for r in conn.execute(f"EXPLAIN EXECUTE claim({args})"))
     conn.rollback()
     assert "agent_work_queue_batch_pending_idx" in plan, plan
+
+
+def test_upgrade_counts_the_tasks_of_existing_batches(empty_dsn):
+    # Migration 0009 derives done from a per-batch task count; a database upgraded with
+    # rows in it must start with the right counts.
+    from jobrunner.queue import Queue
+
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute(_CREATE_VERSIONS)
+        for m in migrations():
+            if m.version < 9:
+                conn.execute(m.sql.encode())
+                conn.execute("INSERT INTO jobrunner_schema_migrations (version, name)"
+                             " VALUES (%s, %s)", (m.version, m.name))
+        conn.execute("INSERT INTO agent_batch (batch_id, tenant_id) VALUES ('old', 't')")
+        conn.execute(
+            "INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, payload, status)"
+            " SELECT 'old', 't', 'k' || g, '{}', (ARRAY['pending', 'leased', 'done', 'done',"
+            " 'dead'])[1 + g % 5] FROM generate_series(0, 99) g")
+    with psycopg.connect(empty_dsn) as conn:
+        assert "0009_fewer_index_writes" in migrate(conn)
+        assert Queue(conn).counts("old") == {"pending": 20, "leased": 20, "done": 40,
+                                             "dead": 20, "cancelled": 0}
+
+
+def test_status_counts_read_only_the_unfinished_rows(conn):
+    # The controller refreshes every BatchRun's counts on a timer: under the queue's
+    # session settings they must come from the small partial indexes, never from an
+    # index or table that holds every row of the batch.
+    conn.execute("SET plan_cache_mode = force_generic_plan")
+    conn.execute("SET enable_seqscan = off")
+    conn.execute("SET enable_bitmapscan = off")
+    conn.execute("PREPARE counts(text) AS " + queries()["counts"].replace(
+        "%(batch_id)s", "$1"))
+    plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN EXECUTE counts('b')"))
+    conn.rollback()
+    scans = [line.strip() for line in plan.splitlines() if " Scan using " in line]
+    assert len(scans) == 5, plan  # the task count and four statuses, once each
+    assert all(("agent_batch_pkey" in line or "pending_idx" in line or "leased_idx" in line
+                or "failed_idx" in line) for line in scans), plan

@@ -272,6 +272,48 @@ def test_retention_deletes_and_archives_old_finished_rows(queue: Queue, conn):
     assert queue.counts("b")["done"] == 0
 
 
+def test_counts_follow_every_transition(queue: Queue, conn):
+    # Done is derived (the batch's task count minus the unfinished rows, migration 0009):
+    # after every kind of transition it must agree with counting the rows themselves.
+    def actual() -> dict[str, int]:
+        rows = conn.execute("SELECT status, count(*) AS n FROM agent_work_queue"
+                            " WHERE batch_id = 'b' GROUP BY status").fetchall()
+        conn.rollback()
+        return {s: 0 for s in ("pending", "leased", "done", "dead", "cancelled")} | {
+            r["status"]: r["n"] for r in rows}
+
+    assert queue.counts("b") == actual()  # unknown batch: all zero
+    queue.enqueue("b", "acme", tasks(8) + tasks(4, shard="s", prefix="u"))
+    queue.enqueue("b", "acme", tasks(8))  # idempotent: counts nothing twice
+    queue.enqueue("other", "acme", tasks(3))
+    assert queue.counts("b") == actual() and queue.counts("b")["pending"] == 12
+    leases = queue.claim("b", W1, limit=5)
+    assert queue.counts("b") == actual()
+    queue.ack(W1, leases[0], {"ok": True})
+    queue.fail(W1, leases[1], "retry later")
+    queue.fail(W1, leases[2], "bad", permanent=True)
+    assert queue.counts("b") == actual()
+    conn.execute("UPDATE agent_work_queue SET locked_until = now() - interval '1 s'"
+                 " WHERE status = 'leased'")
+    conn.commit()
+    queue.expire()
+    assert queue.counts("b") == actual()
+    for lease in queue.claim("b", W2, limit=3):
+        queue.ack(W2, lease, None)
+    queue.requeue_dead("b")
+    assert queue.counts("b") == actual()
+    conn.execute("UPDATE agent_work_queue SET finished_at = now() - interval '2 days'"
+                 " WHERE status = 'done'")
+    conn.commit()
+    assert queue.retention(86400, batch_size=2) == 4
+    assert queue.counts("b") == actual() and queue.counts("b")["done"] == 0
+    queue.cancel("b")
+    counts = queue.counts("b")
+    assert counts == actual() and counts["cancelled"] > 0
+    assert queue.counts("other") == {"pending": 3, "leased": 0, "done": 0, "dead": 0,
+                                     "cancelled": 0}
+
+
 def test_health_reports_stuck_leases(queue: Queue, conn):
     queue.enqueue("b", "acme", tasks(2))
     queue.claim("b", W1)
