@@ -10,6 +10,8 @@ Writes ``bench/results/before-after.md`` and ``before-after.json``.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from . import env
 from .report import spread, table
-from .systems import Jobrunner
+from .systems import BATCH, Jobrunner
 from .throughput import measure
 
 
@@ -41,6 +43,27 @@ class Before(Jobrunner):
         subprocess.run([sys.executable, "-m", "jobrunner", "migrate", "--dsn", self.dsn],
                        cwd=self.tree, env=env.child_env(PYTHONPATH=pythonpath), check=True,
                        stdout=subprocess.DEVNULL)
+
+    def api(self) -> tuple[type, type, type]:
+        # The older tree's own enqueue, imported under another package name: its SQL
+        # matches its schema.
+        if "jobrunner_before" not in sys.modules:
+            package = self.tree / "jobrunner"
+            spec = importlib.util.spec_from_file_location(
+                "jobrunner_before", package / "__init__.py",
+                submodule_search_locations=[str(package)])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["jobrunner_before"] = module
+            spec.loader.exec_module(module)
+        queue = importlib.import_module("jobrunner_before.queue")
+        validation = importlib.import_module("jobrunner_before.validation")
+        return queue.Queue, queue.Timing, validation.TaskSpec
+
+    def done(self, total: int) -> int:
+        # Older schemas have no per-batch task count (migration 0009) but an index on
+        # (batch_id, status).
+        return self.sql("SELECT count(*) FROM agent_work_queue WHERE batch_id = %s"
+                        " AND status = 'done'", (BATCH,))[0][0]
 
     def worker(self, batch_size: int, log: Path | None = None):
         # `python -m` puts the working directory first on sys.path: run from the tree,

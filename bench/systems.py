@@ -114,23 +114,31 @@ class Jobrunner(System):
         with psycopg.connect(self.dsn) as conn:
             migrate(conn)
 
+    def api(self) -> tuple[type, type, type]:
+        """The Queue, Timing and TaskSpec classes that enqueue (bench.compare swaps in an
+        older tree's, whose schema may differ)."""
+        return Queue, Timing, TaskSpec
+
     def reset(self) -> None:
         self.setup()
         self.sql("TRUNCATE agent_work_queue, agent_shard_lease, agent_task_effect, agent_batch"
                  " RESTART IDENTITY")
         self.sql("VACUUM ANALYZE agent_work_queue")
+        queue, _, _ = self.api()
         with psycopg.connect(self.dsn, row_factory=dict_row) as conn:
-            Queue(conn).enqueue(BATCH, TENANT, [])
+            queue(conn).enqueue(BATCH, TENANT, [])
 
     def specs(self, n: int, prefix: str = "t") -> list[TaskSpec]:
-        return [TaskSpec(key=f"{prefix}{i}", payload={},
-                         shard_key=f"s{i % self.shards}" if self.shards else None)
+        spec = self.api()[2]
+        return [spec(key=f"{prefix}{i}", payload={},
+                     shard_key=f"s{i % self.shards}" if self.shards else None)
                 for i in range(n)]
 
     def enqueue(self, n: int) -> None:
+        queue, timing, _ = self.api()
         specs = self.specs(n)
         with psycopg.connect(self.dsn, row_factory=dict_row) as conn:
-            Queue(conn, Timing()).enqueue(BATCH, TENANT, specs)
+            queue(conn, timing()).enqueue(BATCH, TENANT, specs)
 
     def done(self, total: int) -> int:
         # The status counts the controller reads (done = the batch's task count minus
