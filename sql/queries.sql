@@ -95,16 +95,17 @@ WITH lockable AS (
     FOR NO KEY UPDATE SKIP LOCKED
 ),
 acked AS (
+    -- ids, attempts and results (a JSON array) are parallel arrays: each row finds its
+    -- own entries by array_position, which keeps the plan to one index scan (a join to
+    -- unnest() cost a nested loop and a function scan per execution).
     UPDATE agent_work_queue q
     SET status = 'done',
-        result = %(results)s::jsonb -> (t.n::int - 1),  -- a JSON array, one per id
+        result = %(results)s::jsonb -> (array_position(%(ids)s::bigint[], q.id) - 1),
         finished_at = now(),
         locked_until = NULL,
         updated_at = now()
-    FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) WITH ORDINALITY AS t(id, attempt, n)
     WHERE q.id = ANY(ARRAY(SELECT id FROM lockable))  -- see "Plans" at the top of this file
-      AND q.id = t.id
-      AND q.attempts = t.attempt
+      AND q.attempts = (%(attempts)s::int[])[array_position(%(ids)s::bigint[], q.id)]
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.tenant_id, q.shard_key
