@@ -145,8 +145,9 @@ def test_status_counts_read_only_the_unfinished_rows(conn):
     conn.execute("SET plan_cache_mode = force_generic_plan")
     conn.execute("SET enable_seqscan = off")
     conn.execute("SET enable_bitmapscan = off")
-    conn.execute("PREPARE counts(text) AS " + queries()["counts"].replace(
-        "%(batch_id)s", "$1"))
+    from jobrunner.prepared import PreparedStatement
+
+    conn.execute(b"PREPARE counts AS " + PreparedStatement("x", queries()["counts"]).sql)
     plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN EXECUTE counts('b')"))
     conn.rollback()
     scans = [line.strip() for line in plan.splitlines() if " Scan using " in line]
