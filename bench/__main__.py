@@ -86,6 +86,18 @@ class AsyncCommitJobrunner(Jobrunner):
         return args
 
 
+class PlainJobrunner(Jobrunner):
+    """jobrunner with tasks that carry no shard key: the workload pgqueuer,
+    procrastinate and pgbench run (none of them excludes anything). Heartbeats, fencing
+    and LISTEN/NOTIFY stay on; only the shard leases are not taken."""
+
+    name = "jobrunner, tasks without shard keys"
+    db = "bench_jobrunner_plain"
+
+    def __init__(self, server: env.Server) -> None:
+        super().__init__(server, shards=0)
+
+
 def run(plan: Plan, only: list[str], out: Path) -> dict:
     logdir = Path(tempfile.mkdtemp(prefix="jobrunner-bench-logs-"))
     server = env.Server()
@@ -146,12 +158,12 @@ def run(plan: Plan, only: list[str], out: Path) -> dict:
 
 def throughput(server: env.Server, plan: Plan, logdir: Path) -> tuple[list[dict], list[dict]]:
     jr, pgq, pro = Jobrunner(server), PgQueuer(server), Procrastinate(server)
-    fast = AsyncCommitJobrunner(server)
+    fast, plain = AsyncCommitJobrunner(server), PlainJobrunner(server)
     bench = PgBench(server)
-    for system in (jr, pgq, pro, fast):
+    for system in (jr, pgq, pro, fast, plain):
         system.setup()
     bench.setup()
-    configs = [(jr, 1), (jr, 10), (pgq, 10), (pgq, 1), (pro, 1)]
+    configs = [(jr, 1), (jr, 10), (pgq, 10), (pgq, 1), (pro, 1), (plain, 1), (plain, 10)]
     runs: list[dict] = []
     limits: list[dict] = []
     for rep in range(plan.reps):
@@ -162,7 +174,7 @@ def throughput(server: env.Server, plan: Plan, logdir: Path) -> tuple[list[dict]
             for system, batch in configs:
                 result = measure(server, system, n, batch, plan.tasks, plan.cap, logdir)
                 runs.append({**result.as_dict(), "rep": rep})
-                print(f"    {system.name:>13} b{batch:<2}: {result.rate:8.1f}/s"
+                print(f"    {system.name[:24]:>24} b{batch:<2}: {result.rate:8.1f}/s"
                       f" ({result.done}/{result.tasks} in {result.seconds:.1f}s)", flush=True)
         n = 4 if 4 in plan.workers else plan.workers[-1]
         for batch in (1, 10):
