@@ -27,7 +27,7 @@ from .validation import TaskSpec, check_identifier, check_max_attempts, encode_p
 STATUSES = ("pending", "leased", "done", "dead", "cancelled")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Lease:
     """A claimed task as the worker sees it."""
 
@@ -49,7 +49,7 @@ class EnqueueResult:
     existing: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Outcome:
     """What a worker reports for one finished attempt."""
 
@@ -92,6 +92,7 @@ _SETTINGS = ("SELECT set_config('plan_cache_mode', 'force_generic_plan', %(local
 _session_timeouts: weakref.WeakKeyDictionary[psycopg.Connection, str | None] = (
     weakref.WeakKeyDictionary())
 _IDLE = psycopg.pq.TransactionStatus.IDLE
+_UNSET = object()
 # The statement a worker runs once per task (or per claimed batch): see jobrunner/prepared.py.
 _ACK_AND_CLAIM = PreparedStatement("jobrunner_ack_and_claim", query("ack_and_claim"))
 _PIPELINE = psycopg.Pipeline.is_supported()
@@ -190,7 +191,7 @@ class Queue:
         """Give this connection's session the queue's settings, once (not used behind a
         transaction pooler, where they are set locally in each transaction instead)."""
         timeout = self._timeout()
-        if self.conn not in _session_timeouts or _session_timeouts[self.conn] != timeout:
+        if _session_timeouts.get(self.conn, _UNSET) != timeout:
             if timeout is None and _session_timeouts.get(self.conn):
                 self.conn.execute("RESET statement_timeout")
             self.conn.execute(_SETTINGS, {"local": False, "timeout": timeout})
@@ -392,7 +393,8 @@ class Queue:
         behind a transaction pooler or with prepared statements turned off, and not inside
         a transaction the caller opened (the statement must be its own transaction)."""
         conn = self.conn
-        if self._pooled or conn.prepare_threshold is None or conn.info.transaction_status != _IDLE:
+        if (self._pooled or conn.prepare_threshold is None
+                or conn.pgconn.transaction_status != _IDLE):
             return False
         if conn.autocommit:
             self._session_settings()
@@ -518,9 +520,13 @@ def _float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+_encode_json = json.JSONEncoder(allow_nan=False).encode
+
+
 def dumps_result(value: Any) -> str:
     """A handler's return value as JSON; raises TypeError/ValueError if it is not JSON."""
-    return json.dumps(value, allow_nan=False)
+    # (json.dumps builds a new encoder on every call when given any option)
+    return "null" if value is None else _encode_json(value)
 
 
 def _encoded(outcome: Outcome) -> str:

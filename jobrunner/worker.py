@@ -101,7 +101,7 @@ class WorkerConfig:
         return Timing(self.visibility_timeout, self.backoff_base, self.backoff_cap)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Running:
     lease: Lease
     task: Task
@@ -389,6 +389,7 @@ class Worker:
         return Outcome(lease, True, result=result, encoded=encoded)
 
     def _account(self, outcomes: list[Outcome], kept: set[int]) -> None:
+        counts = {"lost": 0, "done": 0, "failed": 0}
         for outcome in outcomes:
             if outcome.lease.id not in kept:
                 key = "lost"
@@ -400,8 +401,10 @@ class Worker:
                 key = "failed"
                 log.info("task %s attempt %d failed: %s", outcome.lease.key,
                          outcome.lease.attempt, outcome.error)
-            with self.running_lock:
-                self.stats[key] += 1
+            counts[key] += 1
+        with self.running_lock:
+            for key, count in counts.items():
+                self.stats[key] += count
 
     def _check_wedged(self) -> None:
         """A sync handler cannot be killed from another thread; if it ignores the loss of

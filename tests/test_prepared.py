@@ -17,7 +17,10 @@ W1 = "worker-1-aaaaaa"
 
 
 def _specs(n: int) -> list[TaskSpec]:
-    return [TaskSpec(key=f"t{i}", payload={"i": i, "text": "é ✓"},
+    # (payloads that a JSON decoder could get wrong: non-ASCII text, integers beyond 64
+    # bits, floats, nesting; both paths must decode them the same as json.loads)
+    return [TaskSpec(key=f"t{i}", payload={"i": i, "text": "é ✓ 🙂", "big": 2**70 + i,
+                                           "f": 1.5e300, "nested": [None, {"t": True}]},
                      shard_key=f"s{i % 2}" if i % 3 else None) for i in range(n)]
 
 
@@ -48,6 +51,7 @@ def test_prepared_and_cursor_paths_return_the_same_leases(dsn: str):
                     lease.max_attempts, type(lease.id), lease.batch_id)
 
         assert [shape(x)[:-1] for x in got_fast] == [shape(x)[:-1] for x in got_slow]
+        assert got_fast[0].payload["big"] == 2**70 and got_fast[0].payload["text"] == "é ✓ 🙂"
         for a, b in zip(got_fast, got_slow, strict=True):
             # the same instants (the cursor's datetimes are in the session time zone)
             assert isinstance(a.locked_until, datetime) and a.locked_until.tzinfo
