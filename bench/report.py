@@ -243,13 +243,14 @@ def _paired(results: dict, a: tuple[str, int], b: tuple[str, int] | None, worker
     def rate(key: tuple[str, int], rep: int) -> float | None:
         return next((r["rate"] for r in results.get("throughput", [])
                      if (r["system"], r["batch"]) == key and r["workers"] == workers
-                     and r["rep"] == rep), None)
+                     and r.get("rep", 0) == rep), None)
 
     ratios = []
-    for rep in sorted({r["rep"] for r in results.get("throughput", [])}):
+    for rep in sorted({r.get("rep", 0) for r in results.get("throughput", [])}):
         num = rate(a, rep)
         den = rate(b, rep) if b else next((r["tps"] / scale for r in results.get("pgbench", [])
-                                           if r["workers"] == workers and r.get("rep") == rep),
+                                           if r["workers"] == workers
+                                           and r.get("rep", 0) == rep),
                                           None)
         if num and den:
             ratios.append(num / den)

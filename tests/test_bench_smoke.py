@@ -33,8 +33,16 @@ def test_real_workers_drain_a_small_batch_and_the_report_renders(tmp_path: Path)
         "meta": {"machine": {"cpu": "test", "cores": 2, "packages": {}}},
         "throughput": [{**row, "rep": 0}, {**row, "rep": 1, "rate": row["rate"] * 1.1},
                        {**row, "system": "procrastinate", "batch": 1, "workers": 2,
-                        "rate": 10.0, "capped": True}],
-        "pgbench": [{"system": "pgbench", "workers": 2, "tps": 1000.0}],
+                        "rate": 10.0, "capped": True}]
+        # the targets (at 4 processes), from made-up rates: 2 repetitions
+        + [{**row, "system": system, "batch": batch, "workers": 4, "rep": rep,
+            "rate": rate * (1 + rep)}
+           for rep in (0, 1)
+           for system, batch, rate in [("jobrunner", 1, 400.0), ("jobrunner", 10, 2000.0),
+                                       ("pgqueuer", 10, 900.0), ("procrastinate", 1, 90.0)]],
+        "pgbench": [{"system": "pgbench", "workers": 2, "tps": 1000.0}]
+        + [{"system": "pgbench", "workers": 4, "tps": 1000.0 * (1 + rep), "rep": rep}
+           for rep in (0, 1)],
         "history": [{"done_rows": n, "pending_rows": 10, "table_rows": n + 10, "table_mb": 1,
                      "claim_p50_ms": 0.5, "claim_p99_ms": 1.0, "throughput": 100.0,
                      "count_query_ms": 1.0, "batch_rows": n + 10} for n in (0, 1000)],
@@ -45,5 +53,10 @@ def test_real_workers_drain_a_small_batch_and_the_report_renders(tmp_path: Path)
     text = report.read_text()
     assert "| jobrunner | 10 |" in text and "procrastinate" in text
     assert "not measured yet" in text  # the controller's footprint
+    # targets: ratios of medians, and the per-repetition (paired) ratios
+    assert "| batch 1, 4 processes: ≥ 4x procrastinate | 600 vs 135 = 4.4x (paired: median" \
+        " 4.4x; per repetition 4.4x, 4.4x) | yes |" in text
+    assert "3,000 vs 1,350 = 2.22x" in text
+    assert "600 vs 750 = 80% (paired: median 80%; per repetition 80%, 80%) | yes |" in text
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert (tmp_path / "history.png").stat().st_size > 0
