@@ -22,6 +22,7 @@ from pathlib import Path
 # (bench.env and bench.systems import jobrunner: only the parent process loads them, so
 # that a child imports the jobrunner of the tree it was given)
 
+
 def child(tree: str, dsn: str, batch_size: int, tasks: int, batch: str) -> None:
     """One worker of `tree`, in this process: prints its CPU and wall time per task."""
     sys.path.insert(0, tree)
@@ -52,7 +53,7 @@ def child(tree: str, dsn: str, batch_size: int, tasks: int, batch: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.worker_cpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", type=Path, required=True)
+    parser.add_argument("--before", type=Path)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tasks", type=int, default=6000)
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         tree, dsn, batch_size, tasks, batch = args.child
         child(tree, dsn, int(batch_size), int(tasks), batch)
         return
+    if args.before is None or not (args.before / "jobrunner" / "__init__.py").is_file():
+        parser.error("--before DIR is required, DIR holding an older tree's jobrunner/")
     from . import env
     from .systems import Jobrunner
 
@@ -78,11 +81,13 @@ def main(argv: list[str] | None = None) -> None:
                 for name in order:
                     runs += 1
                     out = subprocess.run(
-                        [sys.executable, "-m", "bench.worker_cpu", "--before", ".",
-                         "--child", trees[name], system.dsn, str(batch_size),
-                         str(args.tasks), f"cpu{runs}"],
-                        cwd=env.REPO, env=env.child_env(), capture_output=True, text=True,
-                        check=True)
+                        [sys.executable, "-m", "bench.worker_cpu", "--child", trees[name],
+                         system.dsn, str(batch_size), str(args.tasks), f"cpu{runs}"],
+                        cwd=env.REPO, env=env.child_env(), capture_output=True, text=True)
+                    if out.returncode:
+                        # (its stderr, not the command line: that holds the DSN's password)
+                        raise SystemExit(f"{name}, batch {batch_size}: worker failed\n"
+                                         f"{out.stderr[-3000:]}")
                     cpu.setdefault((name, batch_size), []).append(
                         float(out.stdout.split()[-2]))
         print("| code | claim batch | worker CPU µs/task, median | every round |")
