@@ -20,12 +20,12 @@ from pathlib import Path
 
 import psycopg
 
-from . import controller, env, scenarios
+from . import controller, env, scenarios, waits
 from .report import write_report
 from .systems import Jobrunner, PgBench, PgQueuer, Procrastinate
 from .throughput import measure, pgbench_run
 
-ALL = ["throughput", "history", "shards", "enqueue", "latency", "recovery", "footprint",
+ALL = ["throughput", "waits", "history", "shards", "enqueue", "latency", "recovery", "footprint",
        "controller", "pgbouncer"]
 
 
@@ -123,6 +123,8 @@ def run(plan: Plan, only: list[str], out: Path) -> dict:
 
         if stage("throughput"):
             results["throughput"], results["pgbench"] = throughput(server, plan, logdir)
+        if stage("waits"):
+            results["waits"] = wait_events(server, plan, logdir)
         if stage("shards"):
             results["shards"] = shards(server, plan, logdir)
         if stage("history"):
@@ -182,6 +184,13 @@ def throughput(server: env.Server, plan: Plan, logdir: Path) -> tuple[list[dict]
             runs.append({**result.as_dict(), "rep": rep, "system": fast.name})
             print(f"    sync-off b{batch}: {result.rate:8.1f}/s", flush=True)
     return runs, limits
+
+
+def wait_events(server: env.Server, plan: Plan, logdir: Path) -> list[dict]:
+    jr, plain, pgq = Jobrunner(server), PlainJobrunner(server), PgQueuer(server)
+    n = 4 if 4 in plan.workers else plan.workers[-1]
+    return waits.waits(server, [(jr, 1), (plain, 1), (jr, 10), (pgq, 10)], PgBench(server), n,
+                       plan.tasks, plan.cap, plan.pgbench_seconds, logdir)
 
 
 def shards(server: env.Server, plan: Plan, logdir: Path) -> list[dict]:

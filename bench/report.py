@@ -89,6 +89,8 @@ def write_report(results: dict, out: Path) -> Path:
     checks: list[list[object]] = []
     if results.get("throughput"):
         parts.append(_throughput(results, out, checks))
+    if results.get("waits"):
+        parts.append(_waits(results["waits"]))
     if results.get("shards"):
         parts.append(_shards(results))
     if results.get("history"):
@@ -266,6 +268,35 @@ def _pairs(ratios: list[float], fmt: str) -> str:
 
 def _yes(ok: bool) -> str:
     return "yes" if ok else "**no**"
+
+
+def _waits(rows: list[dict]) -> str:
+    groups = list(rows[0]["shares"])
+    body = []
+    for r in rows:
+        # time per task (per transaction for pgbench) that one backend spends in each
+        # state: its share of the backend's time x backends / rate
+        cells = [f"{r['shares'][g]:.0%} ({r['shares'][g] * r['workers'] / r['rate'] * 1e6:,.0f})"
+                 if r["rate"] else "-" for g in groups]
+        flush = [f"{r['wal_bytes_per_unit']:,}", f"{r['fsyncs_per_unit']:.2f}",
+                 r["fsync_us"] if r.get("fsync_us") is not None else "-"]
+        body.append([r["system"], r["batch"] or "-", f"{r['rate']:,.0f}", *cells,
+                     f"{r['samples']:,}", *flush])
+    return "\n".join([
+        "## 2b. Where the backends' time goes (wait events, 4 workers)\n",
+        f"One run of each configuration with {rows[0]['workers']} worker processes (and "
+        "pgbench with as many clients), pg_stat_activity sampled every 4 ms; share of the "
+        "backends' time in each state, and in brackets what that is in µs per task (per "
+        "transaction for pgbench) for one backend. \"WAL flush\": waiting for the commit's "
+        "WAL write and fdatasync (LWLock WALWrite, IO WalSync); \"waiting for the client\": "
+        "idle between statements while the worker process (or pgbench) works or waits for "
+        "a CPU. The sampler costs the server a few per cent of a core, so these rates are "
+        "a little below section 1's. The last three columns come from the same runs: WAL "
+        "written per task (including its share of the enqueue) or per transaction, WAL "
+        "fsyncs per task (below 1: commits share a flush), and the mean time of one "
+        "fdatasync (pg_stat_io, track_wal_io_timing on for this stage).\n",
+        table(["system", "claim batch", "tasks/s", *groups, "samples", "WAL bytes per task",
+               "WAL fsyncs per task", "µs per fsync"], body) + "\n"])
 
 
 def _shards(results: dict) -> str:

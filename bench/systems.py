@@ -259,6 +259,8 @@ class PgBench:
         self.script = server.tmp / "update.sql"
 
     def setup(self) -> None:
+        if self.db in self.server.databases:
+            return
         dsn = self.server.create_db(self.db)
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE bench_counter (id int PRIMARY KEY, v bigint NOT NULL)"
@@ -267,6 +269,7 @@ class PgBench:
                          (PGBENCH_ROWS,))
             conn.execute("VACUUM ANALYZE bench_counter")
         self.script.write_text(PGBENCH_SCRIPT.format(rows=PGBENCH_ROWS))
+        self.server.databases.add(self.db)
 
     def run(self, clients: int, seconds: float) -> dict[str, float]:
         """One single-row UPDATE per transaction (autocommit), prepared protocol. The
@@ -290,6 +293,8 @@ class PgBench:
         elapsed = time.monotonic() - started
         tps = float(re.search(r"tps = ([0-9.]+)", out).group(1))
         latency = re.search(r"latency average = ([0-9.]+) ms", out)
+        processed = re.search(r"number of transactions actually processed: (\d+)", out)
         return {"tps": tps, "latency_ms": float(latency.group(1)) if latency else None,
+                "transactions": int(processed.group(1)) if processed else None,
                 "elapsed": elapsed,
                 "pg_cpu_us_per_txn": round((cpu1 - cpu0) / (tps * (t1 - t0)) * 1e6, 1)}
