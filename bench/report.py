@@ -296,7 +296,29 @@ def _waits(rows: list[dict]) -> str:
         "fsyncs per task (below 1: commits share a flush), and the mean time of one "
         "fdatasync (pg_stat_io, track_wal_io_timing on for this stage).\n",
         table(["system", "claim batch", "tasks/s", *groups, "samples", "WAL bytes per task",
-               "WAL fsyncs per task", "µs per fsync"], body) + "\n"])
+               "WAL fsyncs per task", "µs per fsync"], body) + "\n",
+        _wal_records(rows)])
+
+
+def _wal_records(rows: list[dict]) -> str:
+    """What the WAL per task is made of (pg_walinspect over the same runs)."""
+    rows = [r for r in rows if r.get("wal_records")]
+    if not rows:
+        return ""
+    kinds = sorted({k for r in rows for k in r["wal_records"]},
+                   key=lambda k: -max(r["wal_records"].get(k, {}).get("bytes_per_unit", 0)
+                                      for r in rows))
+    body = [[kind, *(f"{r['wal_records'][kind]['per_unit']}: "
+                     f"{r['wal_records'][kind]['bytes_per_unit']:,} B"
+                     if kind in r["wal_records"] else "-" for r in rows)]
+            for kind in kinds]
+    names = [f"{r['system']}" + (f" b{r['batch']}" if r["batch"] else "") for r in rows]
+    return "\n".join([
+        "WAL records per task (per transaction for pgbench) in the same runs, as "
+        "\"records: bytes\", the ten largest kinds of each (pg_walinspect; the tasks' "
+        "enqueue is included: one heap insert, its confirmation and three index entries "
+        "per task):\n",
+        table(["record", *names], body) + "\n"])
 
 
 def _shards(results: dict) -> str:

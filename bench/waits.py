@@ -98,6 +98,7 @@ def waits(server: Server, configs: list[tuple[System, int]], pgbench: PgBench,
     for system, _ in configs:
         system.setup()
     with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")  # WAL records by type
         # fdatasync timings in pg_stat_io (for this stage only: a clock read per flush)
         conn.execute("ALTER SYSTEM SET track_wal_io_timing = on")
         conn.execute("SELECT pg_reload_conf()")
@@ -109,23 +110,32 @@ def waits(server: Server, configs: list[tuple[System, int]], pgbench: PgBench,
             conn.execute("SELECT pg_reload_conf()")
 
 
-def _wal(conn: psycopg.Connection) -> tuple[int, float, float]:
-    """WAL position (bytes), WAL fsyncs and their total time (ms), server-wide."""
+def _wal(conn: psycopg.Connection) -> tuple[str, float, float]:
+    """WAL position, WAL fsyncs and their total time (ms), server-wide."""
     time.sleep(1.0)  # backends report their I/O statistics when idle or exiting
     lsn, fsyncs, fsync_ms = conn.execute(
-        "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn,"
+        "SELECT pg_current_wal_lsn()::text,"
         " (SELECT coalesce(sum(fsyncs), 0) FROM pg_stat_io WHERE object = 'wal'),"
         " (SELECT coalesce(sum(fsync_time), 0) FROM pg_stat_io WHERE object = 'wal')"
     ).fetchone()
-    return int(lsn), float(fsyncs), float(fsync_ms)
+    return lsn, float(fsyncs), float(fsync_ms)
 
 
-def _flushes(before: tuple[int, float, float], after: tuple[int, float, float],
-             units: int) -> dict:
-    wal, fsyncs, fsync_ms = (b - a for a, b in zip(before, after, strict=True))
-    return {"wal_bytes_per_unit": round(wal / units), "units": units,
+def _flushes(conn: psycopg.Connection, before: tuple[str, float, float],
+             after: tuple[str, float, float], units: int) -> dict:
+    (lsn0, fsyncs0, ms0), (lsn1, fsyncs1, ms1) = before, after
+    fsyncs = fsyncs1 - fsyncs0
+    wal = conn.execute("SELECT %s::pg_lsn - %s::pg_lsn", (lsn1, lsn0)).fetchone()[0]
+    records = conn.execute(
+        'SELECT "resource_manager/record_type", count, combined_size'
+        " FROM pg_get_wal_stats(%s::pg_lsn, %s::pg_lsn, per_record => true)"
+        " WHERE count > 0 ORDER BY combined_size DESC LIMIT 10", (lsn0, lsn1)).fetchall()
+    return {"wal_bytes_per_unit": round(float(wal) / units), "units": units,
             "fsyncs_per_unit": round(fsyncs / units, 3),
-            "fsync_us": round(fsync_ms / fsyncs * 1000) if fsyncs else None}
+            "fsync_us": round((ms1 - ms0) / fsyncs * 1000) if fsyncs else None,
+            "wal_records": {name: {"per_unit": round(count / units, 2),
+                                   "bytes_per_unit": round(size / units)}
+                            for name, count, size in records}}
 
 
 def _waits(server: Server, conn: psycopg.Connection, configs: list[tuple[System, int]],
@@ -142,7 +152,7 @@ def _waits(server: Server, conn: psycopg.Connection, configs: list[tuple[System,
     rows.append({"system": "pgbench (1-row UPDATE per transaction)", "batch": None,
                  "workers": workers, "rate": limit["tps"],
                  **sampler.summary(started + margin, ended - margin),
-                 **_flushes(before, _wal(conn), limit["transactions"])})
+                 **_flushes(conn, before, _wal(conn), limit["transactions"])})
     for system, batch in configs:
         before = _wal(conn)
         with Sampler(server, system.app_pattern) as sampler:
@@ -153,7 +163,7 @@ def _waits(server: Server, conn: psycopg.Connection, configs: list[tuple[System,
         # (WAL and flushes over the whole measurement: the enqueue's share is included)
         rows.append({"system": system.name, "batch": batch, "workers": workers,
                      "rate": result.rate, **summary,
-                     **_flushes(before, _wal(conn), result.done)})
+                     **_flushes(conn, before, _wal(conn), result.done)})
         print(f"    {system.name[:24]:>24} b{batch:<2}: {result.rate:8.1f}/s "
               f"{summary['shares']} {rows[-1]['fsync_us']} µs/fsync", flush=True)
     return rows

@@ -43,6 +43,9 @@ def test_real_workers_drain_a_small_batch_and_the_report_renders(tmp_path: Path)
         # every unit of work ends in a commit: WAL written, flushed at least now and then
         assert r["wal_bytes_per_unit"] > 0 and 0 < r["fsyncs_per_unit"] <= 1.5
         assert r["fsync_us"] is not None and r["fsync_us"] >= 0
+        assert "Transaction/COMMIT" in r["wal_records"]
+    # every task is claimed and acked: two heap updates each (one each for pgbench)
+    assert sampled[1]["wal_records"]["Heap/UPDATE"]["per_unit"] >= 1.9
 
     row = run.as_dict()
     results = {
@@ -79,5 +82,6 @@ def test_real_workers_drain_a_small_batch_and_the_report_renders(tmp_path: Path)
     assert "| jobrunner | 1 | 1,000 | 20% (400) | 20% (400) |" in text
     assert f"| {sampled[1]['wal_bytes_per_unit']:,} | {sampled[1]['fsyncs_per_unit']:.2f} |" \
         in text
+    assert "| Transaction/COMMIT |" in text
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert (tmp_path / "history.png").stat().st_size > 0
