@@ -305,9 +305,13 @@ def _wal_records(rows: list[dict]) -> str:
     rows = [r for r in rows if r.get("wal_records")]
     if not rows:
         return ""
-    kinds = sorted({k for r in rows for k in r["wal_records"]},
-                   key=lambda k: -max(r["wal_records"].get(k, {}).get("bytes_per_unit", 0)
-                                      for r in rows))
+    def largest(kind: str) -> int:
+        return max(r["wal_records"].get(kind, {}).get("bytes_per_unit", 0) for r in rows)
+
+    # (kinds under 20 bytes per task everywhere are left out: vacuum, checkpoints)
+    kinds = sorted((k for r in rows for k in r["wal_records"] if largest(k) >= 20),
+                   key=lambda k: -largest(k))
+    kinds = list(dict.fromkeys(kinds))
     body = [[kind, *(f"{r['wal_records'][kind]['per_unit']}: "
                      f"{r['wal_records'][kind]['bytes_per_unit']:,} B"
                      if kind in r["wal_records"] else "-" for r in rows)]
@@ -315,7 +319,7 @@ def _wal_records(rows: list[dict]) -> str:
     names = [f"{r['system']}" + (f" b{r['batch']}" if r["batch"] else "") for r in rows]
     return "\n".join([
         "WAL records per task (per transaction for pgbench) in the same runs, as "
-        "\"records: bytes\", the ten largest kinds of each (pg_walinspect; the tasks' "
+        "\"records: bytes\", the largest kinds (pg_walinspect; the tasks' "
         "enqueue is included: one heap insert, its confirmation and three index entries "
         "per task):\n",
         table(["record", *names], body) + "\n"])
