@@ -305,6 +305,7 @@ def _wal_records(rows: list[dict]) -> str:
     rows = [r for r in rows if r.get("wal_records")]
     if not rows:
         return ""
+
     def largest(kind: str) -> int:
         return max(r["wal_records"].get(kind, {}).get("bytes_per_unit", 0) for r in rows)
 

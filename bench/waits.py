@@ -7,7 +7,8 @@ client count) and reports the share of backend time in each state, grouped:
 
 - running: active, no wait event (on a CPU, or waiting for one)
 - WAL flush: waiting for the commit's WAL write and fdatasync (LWLock WALWrite, IO
-  WalSync/WalWrite): group commit shares one flush between the commits waiting for it
+  WalSync/WalWrite): group commit shares one flush between the commits waiting for it;
+  the rare wait to insert WAL (LWLock WALInsert) is counted here too
 - waiting for the client: idle between statements (the worker or pgbench is working,
   or waiting for a CPU, or the network)
 - row or lock waits: Lock / LWLock other than WAL (contention between workers)
@@ -130,6 +131,7 @@ def _flushes(conn: psycopg.Connection, before: tuple[str, float, float],
         'SELECT "resource_manager/record_type", count, combined_size'
         " FROM pg_get_wal_stats(%s::pg_lsn, %s::pg_lsn, per_record => true)"
         " WHERE count > 0 ORDER BY combined_size DESC LIMIT 10", (lsn0, lsn1)).fetchall()
+    units = max(units, 1)  # (a run that finished nothing still reports its WAL)
     return {"wal_bytes_per_unit": round(float(wal) / units), "units": units,
             "fsyncs_per_unit": round(fsyncs / units, 3),
             "fsync_us": round((ms1 - ms0) / fsyncs * 1000) if fsyncs else None,
@@ -152,7 +154,8 @@ def _waits(server: Server, conn: psycopg.Connection, configs: list[tuple[System,
     rows.append({"system": "pgbench (1-row UPDATE per transaction)", "batch": None,
                  "workers": workers, "rate": limit["tps"],
                  **sampler.summary(started + margin, ended - margin),
-                 **_flushes(conn, before, _wal(conn), limit["transactions"])})
+                 **_flushes(conn, before, _wal(conn), limit["transactions"]
+                            or round(limit["tps"] * pgbench_seconds))})
     for system, batch in configs:
         before = _wal(conn)
         with Sampler(server, system.app_pattern) as sampler:
