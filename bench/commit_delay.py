@@ -17,8 +17,6 @@ import json
 import statistics
 from pathlib import Path
 
-import psycopg
-
 from . import env
 from .report import spread, table
 from .systems import Jobrunner, PgBench
@@ -28,14 +26,7 @@ DELAYS = (0, 100, 500)  # µs; commit_siblings = 2 for the non-zero ones
 
 
 def apply(server: env.Server, delay: int) -> None:
-    with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
-        if delay:
-            conn.execute(f"ALTER SYSTEM SET commit_delay = {int(delay)}")
-            conn.execute("ALTER SYSTEM SET commit_siblings = 2")
-        else:
-            conn.execute("ALTER SYSTEM RESET commit_delay")
-            conn.execute("ALTER SYSTEM RESET commit_siblings")
-        conn.execute("SELECT pg_reload_conf()")
+    server.configure(commit_delay=delay or None, commit_siblings=2 if delay else None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from jobrunner.embedded import EmbeddedPostgres
@@ -66,6 +67,16 @@ class Server:
 
     def dsn(self, name: str, **extra: str) -> str:
         return with_db(self.admin_dsn, name, **extra)
+
+    def configure(self, **settings: object) -> None:
+        """Change server settings that a reload applies (None: back to the default)."""
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            for name, value in settings.items():
+                conn.execute(sql.SQL("ALTER SYSTEM RESET {}").format(sql.Identifier(name))
+                             if value is None else
+                             sql.SQL("ALTER SYSTEM SET {} = {}").format(
+                                 sql.Identifier(name), sql.Literal(str(value))))
+            conn.execute("SELECT pg_reload_conf()")
 
     def checkpoint(self) -> None:
         with psycopg.connect(self.admin_dsn, autocommit=True) as conn:

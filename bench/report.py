@@ -283,7 +283,7 @@ def _waits(rows: list[dict]) -> str:
         body.append([r["system"], r["batch"] or "-", f"{r['rate']:,.0f}", *cells,
                      f"{r['samples']:,}", *flush])
     return "\n".join([
-        "## 2b. Where the backends' time goes (wait events, 4 workers)\n",
+        f"## 2b. Where the backends' time goes (wait events, {rows[0]['workers']} workers)\n",
         f"One run of each configuration with {rows[0]['workers']} worker processes (and "
         "pgbench with as many clients), pg_stat_activity sampled every 4 ms; share of the "
         "backends' time in each state, and in brackets what that is in µs per task (per "

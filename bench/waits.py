@@ -98,17 +98,15 @@ def waits(server: Server, configs: list[tuple[System, int]], pgbench: PgBench,
     pgbench.setup()
     for system, _ in configs:
         system.setup()
-    with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
-        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")  # WAL records by type
-        # fdatasync timings in pg_stat_io (for this stage only: a clock read per flush)
-        conn.execute("ALTER SYSTEM SET track_wal_io_timing = on")
-        conn.execute("SELECT pg_reload_conf()")
-        try:
+    # fdatasync timings in pg_stat_io (for this stage only: a clock read per flush)
+    server.configure(track_wal_io_timing="on")
+    try:
+        with psycopg.connect(server.admin_dsn, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")  # WAL by record type
             return _waits(server, conn, configs, pgbench, workers, tasks, cap,
                           pgbench_seconds, logdir)
-        finally:
-            conn.execute("ALTER SYSTEM RESET track_wal_io_timing")
-            conn.execute("SELECT pg_reload_conf()")
+    finally:
+        server.configure(track_wal_io_timing=None)
 
 
 def _wal(conn: psycopg.Connection) -> tuple[str, float, float]:

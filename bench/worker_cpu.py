@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.before is None or not (args.before / "jobrunner" / "__init__.py").is_file():
         parser.error("--before DIR is required, DIR holding an older tree's jobrunner/")
     from . import env
+    from .report import table
     from .systems import Jobrunner
 
     trees = {"before": str(args.before.resolve()), "this tree": str(env.REPO)}
@@ -90,13 +91,10 @@ def main(argv: list[str] | None = None) -> None:
                                          f"{out.stderr[-3000:]}")
                     cpu.setdefault((name, batch_size), []).append(
                         float(out.stdout.split()[-2]))
-        print("| code | claim batch | worker CPU µs/task, median | every round |")
-        print("|---|---|---|---|")
-        for batch_size in (1, 10):
-            for name in trees:
-                values = cpu[(name, batch_size)]
-                print(f"| {name} | {batch_size} | {statistics.median(values):.1f} | "
-                      f"{', '.join(f'{v:.0f}' for v in values)} |")
+        print(table(["code", "claim batch", "worker CPU µs/task, median", "every round"],
+                    [[name, batch_size, f"{statistics.median(cpu[(name, batch_size)]):.1f}",
+                      ", ".join(f"{v:.0f}" for v in cpu[(name, batch_size)])]
+                     for batch_size in (1, 10) for name in trees]))
     finally:
         server.stop()
 
