@@ -21,7 +21,7 @@ from . import metrics
 from .conditions import get_condition, now_iso, set_condition
 from .config import CONFIG, GROUP, PLURAL, VERSION
 from .database import DatabaseProblem, queue_for, read_dsn
-from .jobs import build_job, default_batch_id, job_name
+from .jobs import api_error_detail, build_job, default_batch_id, job_name
 from .kube import batch_api
 
 TERMINAL = ("Succeeded", "Failed", "Cancelled")
@@ -276,9 +276,17 @@ def _ensure_job(body: kopf.Body, run: BatchRunSpec, st: dict[str, Any], batch_id
                       message=f"Job {name}: {run.workers} worker(s), activeDeadlineSeconds "
                               f"{run.effective_deadline()}")
         except ApiException as create_exc:
+            if create_exc.status == 422:
+                # The API server refused the pod (spec.template passes volumes, affinity,
+                # containers... through unchecked): say what it objected to. Retrying cannot
+                # help until the spec changes, and a spec change runs this handler again.
+                message = _safe(f"Job {name} rejected: {api_error_detail(create_exc)}")
+                _event(body, "Warning", "JobRejected", message=message)
+                raise kopf.TemporaryError(message, delay=30) from None
             if create_exc.status != 409:
-                raise kopf.TemporaryError(f"creating Job {name}: HTTP {create_exc.status} "
-                                          f"{create_exc.reason}", delay=5) from None
+                raise kopf.TemporaryError(_safe(f"creating Job {name}: HTTP {create_exc.status} "
+                                                f"{api_error_detail(create_exc)}"),
+                                          delay=5) from None
             job = api.read_namespaced_job(name, ns)
         return job
     changes: dict[str, Any] = {}

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import json
+from collections.abc import Mapping
 from typing import Any
 
-from jobrunner.manifest import BatchRunSpec
+from jobrunner.manifest import TMP_PATH, TMP_VOLUME, WORKER_CONTAINER, BatchRunSpec
 
 from .config import CONFIG
 
 WORKER_GRACE_SECONDS = 30
+
+# Hardened by default; spec.template.securityContext / containerSecurityContext are merged
+# over these (merge_over), so a run can change one key (runAsUser, a seccomp profile, an
+# added capability) without silently losing the others.
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+WORKER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]}}
+# Pod-level fields copied from spec.template as they are (when set).
+POD_PASSTHROUGH = ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints",
+                   "priorityClassName", "runtimeClassName", "imagePullSecrets")
 
 
 def job_name(name: str, uid: str) -> str:
@@ -28,9 +43,24 @@ def backoff_limit(workers: int) -> int:
     return max(6, 3 * workers)
 
 
+def merge_over(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` applied to ``defaults`` like a JSON merge patch (RFC 7386): mappings
+    merge key by key, recursively; lists and scalars replace; null removes the key."""
+    merged = copy.deepcopy(dict(defaults))
+    for key, value in overrides.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge_over(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
 def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
               secret_name: str, secret_key: str) -> dict[str, Any]:
-    template = dict(run.template)
+    # A copy: the Job must not share nested objects with the parsed spec.
+    template = copy.deepcopy(dict(run.template))
     env = [
         {"name": "JOBRUNNER_DATABASE_URL",
          "valueFrom": {"secretKeyRef": {"name": secret_name, "key": secret_key}}},
@@ -39,17 +69,18 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
         *template.get("env", []),
     ]
     container: dict[str, Any] = {
-        "name": "worker",
+        "name": WORKER_CONTAINER,
         "image": template.get("image") or CONFIG.worker_image,
         "imagePullPolicy": template.get("imagePullPolicy") or CONFIG.image_pull_policy,
         "command": ["jobrunner", "worker", "--batch", batch_id, "--exit-when-drained",
                     "--log-format", "json", "--grace-period", str(WORKER_GRACE_SECONDS),
                     *run.worker_args()],
         "env": env,
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": merge_over(WORKER_SECURITY_CONTEXT,
+                                      template.get("containerSecurityContext") or {}),
         # The root filesystem is read-only; command handlers and Python get a scratch /tmp.
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": TMP_VOLUME, "mountPath": TMP_PATH},
+                         *template.get("volumeMounts", [])],
     }
     for key in ("envFrom", "resources"):
         if template.get(key):
@@ -57,21 +88,35 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
     labels = {"app.kubernetes.io/name": "jobrunner-worker",
               "app.kubernetes.io/managed-by": "jobrunner",
               "jobrunner.dev/batchrun": run.name[:63].rstrip("-.")}
+    # A user volume named tmp replaces the default emptyDir (a size limit, a memory
+    # medium, an ephemeral PVC); the worker's mount on /tmp stays either way.
+    volumes = template.get("volumes", [])
+    if not any(v.get("name") == TMP_VOLUME for v in volumes):
+        volumes = [{"name": TMP_VOLUME, "emptyDir": {}}, *volumes]
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "containers": [container],
+        "containers": [container, *template.get("containers", [])],
         # Workers talk to PostgreSQL only: no Kubernetes API token in their pods.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS + 15,
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
-        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "volumes": volumes,
+        "securityContext": merge_over(POD_SECURITY_CONTEXT, template.get("securityContext") or {}),
     }
+    if template.get("initContainers"):
+        pod_spec["initContainers"] = template["initContainers"]
     service_account = template.get("serviceAccountName") or CONFIG.worker_service_account
     if service_account:
         pod_spec["serviceAccountName"] = service_account
-    for key in ("nodeSelector", "tolerations"):
+    for key in POD_PASSTHROUGH:
         if template.get(key):
             pod_spec[key] = template[key]
+    if template.get("hostNetwork"):
+        pod_spec["hostNetwork"] = True
+        # With the host's network the default ClusterFirst would silently fall back to the
+        # node's resolver: cluster Service names (the database's) would not resolve.
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    if template.get("dnsPolicy"):
+        pod_spec["dnsPolicy"] = template["dnsPolicy"]
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -89,3 +134,13 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
             },
         },
     }
+
+
+def api_error_detail(exc: Any) -> str:
+    """The API server's own message from an ApiException (a Status object in its body),
+    e.g. which field of the Job's pod template it refused; else the HTTP reason."""
+    try:
+        message = json.loads(exc.body or "").get("message")
+    except (TypeError, ValueError, AttributeError):
+        message = None
+    return str(message) if message else str(exc.reason or "")

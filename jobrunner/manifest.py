@@ -7,6 +7,7 @@ can, and turns the spec into task specs and worker settings.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,45 @@ SPEC_FIELDS = {
     "batchSize", "visibilityTimeoutSeconds", "heartbeatSeconds", "maxAttempts",
     "backoffBaseSeconds", "backoffCapSeconds", "activeDeadlineSeconds", "handler",
     "command", "template", "database", "suspend",
+}
+
+# spec.template: a subset of the Kubernetes PodTemplate, with Kubernetes' own names.
+TEMPLATE_FIELDS = {
+    "image", "imagePullPolicy", "imagePullSecrets", "serviceAccountName", "resources", "env",
+    "envFrom", "volumeMounts", "containerSecurityContext", "labels", "annotations",
+    "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints",
+    "priorityClassName", "runtimeClassName", "hostNetwork", "dnsPolicy", "securityContext",
+    "volumes", "containers", "initContainers",
+}
+WORKER_CONTAINER = "worker"
+# The worker's root filesystem is read-only: it always gets a writable /tmp from the
+# volume of this name. A user volume of the same name replaces the default emptyDir.
+TMP_VOLUME, TMP_PATH = "tmp", "/tmp"
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# "None" is left out: it needs dnsConfig, which the template does not offer.
+DNS_POLICIES = ("ClusterFirst", "ClusterFirstWithHostNet", "Default")
+WHEN_UNSATISFIABLE = ("DoNotSchedule", "ScheduleAnyway")
+AFFINITY_FIELDS = {"nodeAffinity", "podAffinity", "podAntiAffinity"}
+# The CRD's maxItems (they also bound the cost of its CEL rules).
+LIST_LIMITS = {"volumes": 64, "volumeMounts": 64, "containers": 16, "initContainers": 16,
+               "imagePullSecrets": 32, "topologySpreadConstraints": 16}
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+# The securityContext fields of core/v1, with their JSON types: the pod's and a
+# container's differ, and putting one where the other belongs is a common mistake that
+# the API server would only report (or silently drop) when the Job is created.
+_COMMON_SECURITY = {
+    "runAsNonRoot": bool, "runAsUser": int, "runAsGroup": int, "seccompProfile": Mapping,
+    "seLinuxOptions": Mapping, "windowsOptions": Mapping, "appArmorProfile": Mapping,
+}
+POD_SECURITY_FIELDS: dict[str, type] = {
+    **_COMMON_SECURITY, "fsGroup": int, "fsGroupChangePolicy": str,
+    "supplementalGroups": list, "supplementalGroupsPolicy": str, "sysctls": list,
+    "seLinuxChangePolicy": str,
+}
+CONTAINER_SECURITY_FIELDS: dict[str, type] = {
+    **_COMMON_SECURITY, "allowPrivilegeEscalation": bool, "readOnlyRootFilesystem": bool,
+    "privileged": bool, "capabilities": Mapping, "procMount": str,
 }
 
 
@@ -182,10 +222,10 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest") -> BatchRun
                 isinstance(c, str) for c in command):
             raise BadInput(f"{where}: spec.command must be a non-empty list of strings")
 
-    template = spec.get("template") or {}
+    template = parse_template(spec.get("template"), where)
     database = spec.get("database") or {}
-    if not isinstance(template, Mapping) or not isinstance(database, Mapping):
-        raise BadInput(f"{where}: spec.template and spec.database must be mappings")
+    if not isinstance(database, Mapping):
+        raise BadInput(f"{where}: spec.database must be a mapping")
     suspend = spec.get("suspend", False)
     if not isinstance(suspend, bool):
         raise BadInput(f"{where}: spec.suspend must be true or false")
@@ -247,3 +287,270 @@ def _tasks(spec: Mapping[str, Any], kind: str, where: str) -> tuple[TaskSpec, ..
     width = len(str(count - 1))
     return tuple(TaskSpec(key=f"{prefix}{i:0{width}d}", payload={**base_payload, "index": i})
                  for i in range(count))
+
+
+# ------------------------------------------------------------------------------ template
+def parse_template(raw: Any, where: str) -> dict[str, Any]:
+    """spec.template, checked field by field; null fields are dropped (as the API server
+    drops them). What jobrunner relies on, and the mistakes that would otherwise surface
+    only as a Job the API server refuses, are checked here; the rest of each nested
+    Kubernetes object (a volume's source, an affinity term, a sidecar's probes) passes
+    through for the API server to validate."""
+    if raw is None:
+        return {}
+    at = f"{where}: spec.template"
+    if not isinstance(raw, Mapping):
+        raise BadInput(f"{at} must be a mapping, got {_json_type(raw)}")
+    template = {k: v for k, v in raw.items() if v is not None}
+    unknown = set(template) - TEMPLATE_FIELDS
+    if unknown:
+        raise BadInput(f"{at}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
+
+    for name in ("image", "serviceAccountName"):  # "" means the controller's default
+        _typed(template, name, str, at)
+    for name in ("priorityClassName", "runtimeClassName"):
+        if name in template:
+            _non_empty(template[name], f"{at}.{name}", 253)
+    _choice(template, "imagePullPolicy", PULL_POLICIES, at)
+    _choice(template, "dnsPolicy", DNS_POLICIES, at)
+    _typed(template, "hostNetwork", bool, at)
+    _typed(template, "resources", Mapping, at)
+    for name in ("nodeSelector", "labels", "annotations"):
+        _string_map(template, name, at)
+    for i, item in enumerate(_objects(template, "env", at, ("name",))):
+        _non_empty(item["name"], f"{at}.env[{i}].name")
+    _objects(template, "envFrom", at)
+    _objects(template, "tolerations", at)
+    for i, item in enumerate(_objects(template, "imagePullSecrets", at, ("name",))):
+        _non_empty(item["name"], f"{at}.imagePullSecrets[{i}].name", 253)
+    spread = _objects(template, "topologySpreadConstraints", at,
+                      ("maxSkew", "topologyKey", "whenUnsatisfiable"))
+    for i, item in enumerate(spread):
+        item_at = f"{at}.topologySpreadConstraints[{i}]"
+        skew = item["maxSkew"]
+        if isinstance(skew, bool) or not isinstance(skew, int) or skew < 1:
+            raise BadInput(f"{item_at}.maxSkew must be an integer of at least 1, "
+                           f"got {_json_type(skew)}")
+        _non_empty(item["topologyKey"], f"{item_at}.topologyKey")
+        _choice(item, "whenUnsatisfiable", WHEN_UNSATISFIABLE, item_at)
+    _affinity(template, at)
+
+    volumes = _objects(template, "volumes", at, ("name",))
+    volume_names = _unique_names(volumes, f"{at}.volumes") | {TMP_VOLUME}
+    _mounts(template.get("volumeMounts"), f"{at}.volumeMounts", volume_names, worker=True)
+    if "securityContext" in template:
+        _security(template["securityContext"], f"{at}.securityContext", POD_SECURITY_FIELDS,
+                  CONTAINER_SECURITY_FIELDS,
+                  "a container field: for the worker set it in spec.template."
+                  "containerSecurityContext")
+    if "containerSecurityContext" in template:
+        _security(template["containerSecurityContext"], f"{at}.containerSecurityContext",
+                  CONTAINER_SECURITY_FIELDS, POD_SECURITY_FIELDS,
+                  "a pod-level field: set it in spec.template.securityContext")
+
+    seen = {WORKER_CONTAINER}
+    for list_name in ("initContainers", "containers"):
+        for i, item in enumerate(_objects(template, list_name, at, ("name", "image"))):
+            _container(item, f"{at}.{list_name}[{i}]", seen, volume_names,
+                       init=list_name == "initContainers")
+    return template
+
+
+def _container(item: Mapping[str, Any], at: str, seen: set[str], volume_names: set[str],
+               *, init: bool) -> None:
+    name = _dns_label(item["name"], f"{at}.name")
+    if name == WORKER_CONTAINER:
+        raise BadInput(f"{at}.name: {WORKER_CONTAINER!r} is the name of jobrunner's own "
+                       "container; give this one another name")
+    if name in seen:
+        raise BadInput(f"{at}.name {name!r} is used twice (container names must be unique "
+                       "across spec.template.containers and spec.template.initContainers)")
+    seen.add(name)
+    _non_empty(item["image"], f"{at}.image")
+    if init:
+        # Kubernetes allows only Always here: a native sidecar (1.29+).
+        _choice(item, "restartPolicy", ("Always",), at)
+    for key in ("env", "envFrom", "ports", "args", "command"):
+        if item.get(key) is not None and not isinstance(item[key], list):
+            raise BadInput(f"{at}.{key} must be a list, got {_json_type(item[key])}")
+    _mounts(item.get("volumeMounts"), f"{at}.volumeMounts", volume_names, worker=False)
+    if item.get("securityContext") is not None:
+        _security(item["securityContext"], f"{at}.securityContext", CONTAINER_SECURITY_FIELDS,
+                  POD_SECURITY_FIELDS,
+                  "a pod-level field: set it in spec.template.securityContext")
+
+
+def _mounts(value: Any, at: str, volume_names: set[str], *, worker: bool) -> None:
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise BadInput(f"{at} must be a list, got {_json_type(value)}")
+    if len(value) > LIST_LIMITS["volumeMounts"]:
+        raise BadInput(f"{at} has {len(value)} items; the limit is {LIST_LIMITS['volumeMounts']}")
+    paths: set[str] = set()
+    for i, mount in enumerate(value):
+        item_at = f"{at}[{i}]"
+        if not isinstance(mount, Mapping):
+            raise BadInput(f"{item_at} must be a mapping with name and mountPath, "
+                           f"got {_json_type(mount)}")
+        for key in ("name", "mountPath"):
+            if key not in mount:
+                raise BadInput(f"{item_at}.{key} is required")
+        name = _non_empty(mount["name"], f"{item_at}.name")
+        path = _non_empty(mount["mountPath"], f"{item_at}.mountPath", 1024)
+        if name not in volume_names:
+            raise BadInput(f"{item_at}.name {name!r} is not a volume: define it in "
+                           "spec.template.volumes")
+        if not path.startswith("/"):
+            raise BadInput(f"{item_at}.mountPath must be an absolute path, got {path!r}")
+        normal = path.rstrip("/") or "/"
+        if worker and normal == TMP_PATH:
+            raise BadInput(f"{item_at}.mountPath: {TMP_PATH} is the worker's scratch "
+                           f"directory (volume {TMP_VOLUME!r}, always mounted); to change what "
+                           f"backs it, define a volume named {TMP_VOLUME!r} in "
+                           "spec.template.volumes")
+        if normal in paths:
+            raise BadInput(f"{item_at}.mountPath {path!r} is mounted twice")
+        paths.add(normal)
+
+
+def _security(value: Any, at: str, fields: Mapping[str, type], other: Mapping[str, type],
+              other_hint: str) -> None:
+    if not isinstance(value, Mapping):
+        raise BadInput(f"{at} must be a mapping, got {_json_type(value)}")
+    for key, item in value.items():
+        if key not in fields:
+            if key in other:
+                raise BadInput(f"{at}.{key} is {other_hint}")
+            raise BadInput(f"{at}: unknown field {key!r} (Kubernetes' fields here: "
+                           f"{', '.join(sorted(fields))})")
+        if item is not None:  # null drops one of the defaults
+            _check_type(item, fields[key], f"{at}.{key}")
+    capabilities = value.get("capabilities")
+    if isinstance(capabilities, Mapping):
+        for key, item in capabilities.items():
+            if key not in ("add", "drop"):
+                raise BadInput(f"{at}.capabilities: unknown field {key!r} (add, drop)")
+            if item is not None and not (isinstance(item, list)
+                                         and all(isinstance(c, str) for c in item)):
+                raise BadInput(f"{at}.capabilities.{key} must be a list of capability names, "
+                               f"got {_json_type(item)}")
+    seccomp = value.get("seccompProfile")
+    if isinstance(seccomp, Mapping) and not isinstance(seccomp.get("type"), str | None):
+        raise BadInput(f"{at}.seccompProfile.type must be a string, "
+                       f"got {_json_type(seccomp['type'])}")
+
+
+def _affinity(template: Mapping[str, Any], at: str) -> None:
+    affinity = template.get("affinity")
+    if affinity is None:
+        return
+    if not isinstance(affinity, Mapping):
+        raise BadInput(f"{at}.affinity must be a mapping, got {_json_type(affinity)}")
+    unknown = set(affinity) - AFFINITY_FIELDS
+    if unknown:
+        raise BadInput(f"{at}.affinity: unknown field(s) {', '.join(sorted(map(str, unknown)))} "
+                       f"(Kubernetes' fields here: {', '.join(sorted(AFFINITY_FIELDS))})")
+    for key, item in affinity.items():
+        if item is not None and not isinstance(item, Mapping):
+            raise BadInput(f"{at}.affinity.{key} must be a mapping, got {_json_type(item)}")
+
+
+def _objects(template: Mapping[str, Any], name: str, at: str,
+             required: tuple[str, ...] = ()) -> list[Mapping[str, Any]]:
+    """A list of mappings, each with the required keys."""
+    value = template.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise BadInput(f"{at}.{name} must be a list, got {_json_type(value)}")
+    limit = LIST_LIMITS.get(name)
+    if limit is not None and len(value) > limit:
+        raise BadInput(f"{at}.{name} has {len(value)} items; the limit is {limit}")
+    for i, item in enumerate(value):
+        if not isinstance(item, Mapping):
+            raise BadInput(f"{at}.{name}[{i}] must be a mapping, got {_json_type(item)}")
+        for key in required:
+            if item.get(key) is None:
+                raise BadInput(f"{at}.{name}[{i}].{key} is required")
+    return value
+
+
+def _unique_names(items: list[Mapping[str, Any]], at: str) -> set[str]:
+    names: set[str] = set()
+    for i, item in enumerate(items):
+        name = _dns_label(item["name"], f"{at}[{i}].name")
+        if name in names:
+            raise BadInput(f"{at}[{i}].name {name!r} is used twice")
+        names.add(name)
+    return names
+
+
+def _dns_label(value: Any, at: str) -> str:
+    value = _non_empty(value, at, 63)
+    if not _DNS_LABEL.fullmatch(value):
+        raise BadInput(f"{at} {value!r} must be a DNS label: lower-case letters, digits and "
+                       "'-', starting and ending with a letter or digit")
+    return value
+
+
+def _non_empty(value: Any, at: str, max_chars: int = 4096) -> str:
+    if not isinstance(value, str) or not value:
+        raise BadInput(f"{at} must be a non-empty string, got {_json_type(value)}")
+    if len(value) > max_chars:
+        raise BadInput(f"{at} is {len(value)} characters long; the limit is {max_chars}")
+    return value
+
+
+def _typed(template: Mapping[str, Any], name: str, kind: type, at: str) -> None:
+    if name in template:
+        _check_type(template[name], kind, f"{at}.{name}")
+
+
+def _check_type(value: Any, kind: type, at: str) -> None:
+    ok = (not isinstance(value, bool) and isinstance(value, int) if kind is int
+          else isinstance(value, kind))
+    if not ok:
+        raise BadInput(f"{at} must be {_EXPECTED[kind]}, got {_json_type(value)}")
+
+
+def _choice(obj: Mapping[str, Any], name: str, choices: tuple[str, ...], at: str) -> None:
+    if obj.get(name) is not None and obj[name] not in choices:
+        raise BadInput(f"{at}.{name} must be one of {', '.join(choices)}, "
+                       f"got {_json_type(obj[name])}")
+
+
+def _string_map(template: Mapping[str, Any], name: str, at: str) -> None:
+    value = template.get(name)
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise BadInput(f"{at}.{name} must be a mapping of strings, got {_json_type(value)}")
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise BadInput(f"{at}.{name}: key {key!r} must be a string (quote it in YAML)")
+        if not isinstance(item, str):
+            # Typically an unquoted YAML number or boolean: `version: 1.0`, `enabled: true`.
+            raise BadInput(f"{at}.{name}.{key} must be a string (quote it in YAML), "
+                           f"got {_json_type(item)}")
+
+
+_EXPECTED = {bool: "true or false", int: "an integer", str: "a string", list: "a list",
+             Mapping: "a mapping"}
+
+
+def _json_type(value: Any) -> str:
+    """What a YAML/JSON value is, as a user reads it in an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, int | float):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {value[:80]!r}"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return type(value).__name__

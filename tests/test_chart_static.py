@@ -169,6 +169,18 @@ def test_every_value_is_described_by_the_schema():
     walk(values, schema, "")
 
 
+def test_controller_host_network_brings_its_dns_policy():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["controller"]["hostNetwork"] is False
+    text = (CHART / "templates" / "deployment.yaml").read_text()
+    block = re.search(r"\{\{- if \.Values\.controller\.hostNetwork \}\}(.*?)\{\{- end \}\}",
+                      text, re.S)
+    assert block, "deployment.yaml does not use controller.hostNetwork"
+    assert "hostNetwork: true" in block.group(1)
+    # without it the controller could not resolve cluster Service names (the database's)
+    assert "dnsPolicy: ClusterFirstWithHostNet" in block.group(1)
+
+
 # ------------------------------------------------------------------------------ kind recipe
 def test_kind_recipe_is_valid_shell_and_config():
     script = REPO / "hack" / "kind-e2e.sh"

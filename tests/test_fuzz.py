@@ -8,8 +8,9 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from controller.jobs import build_job
 from jobrunner.errors import BadInput
-from jobrunner.manifest import parse_batchrun
+from jobrunner.manifest import TEMPLATE_FIELDS, parse_batchrun
 from jobrunner.validation import parse_jsonl
 
 json_values = st.recursive(
@@ -68,3 +69,33 @@ def test_manifest_parser_accepts_or_rejects_cleanly(spec, api_version, name):
     assert run.heartbeat < run.visibility_timeout / 2
     assert run.effective_deadline() > run.visibility_timeout + 60
     assert (run.handler is None) != (run.command is None)
+
+
+template_item = st.dictionaries(
+    st.sampled_from(["name", "image", "mountPath", "maxSkew", "topologyKey",
+                     "whenUnsatisfiable", "volumeMounts", "securityContext", "restartPolicy",
+                     "capabilities", "seccompProfile", "runAsUser", "fsGroup", "add", "type"]),
+    json_values | st.sampled_from(["worker", "tmp", "/tmp", "data", "/data"]), max_size=5)
+template_fields = st.dictionaries(
+    st.sampled_from([*sorted(TEMPLATE_FIELDS), "unknown"]),
+    json_values | template_item | st.lists(template_item, max_size=3), max_size=6)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(template_fields)
+def test_template_parser_accepts_or_rejects_cleanly(template):
+    obj = {"apiVersion": "jobrunner.dev/v1alpha1", "kind": "BatchRun",
+           "metadata": {"name": "fuzz"},
+           "spec": {"tenant": "t", "handler": "m:f", "source": "external",
+                    "template": template}}
+    try:
+        run = parse_batchrun(obj)
+    except BadInput as exc:
+        assert "spec.template" in str(exc)
+        return
+    job = build_job(run, name="fuzz-1", namespace="ns", batch_id="b", secret_name="s",
+                    secret_key="k")
+    pod = job["spec"]["template"]["spec"]
+    names = [c["name"] for c in pod["containers"] + pod.get("initContainers", [])]
+    assert names[0] == "worker" and len(set(names)) == len(names)
+    assert [v["name"] for v in pod["volumes"]].count("tmp") == 1

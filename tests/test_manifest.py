@@ -97,3 +97,151 @@ def test_manifest_file_errors(tmp_path):
     other.write_text("apiVersion: v1\nkind: ConfigMap\n")
     with pytest.raises(BadInput, match="exactly one BatchRun"):
         load_manifest(other)
+
+
+# ------------------------------------------------------------------------------ spec.template
+def test_full_template_is_accepted():
+    template = {
+        "image": "me/worker:1", "imagePullPolicy": "Always", "serviceAccountName": "",
+        "imagePullSecrets": [{"name": "regcred"}], "resources": {"limits": {"memory": "1Gi"}},
+        "env": [{"name": "A", "value": "1"}], "envFrom": [{"secretRef": {"name": "s"}}],
+        "labels": {"team": "data"}, "annotations": {"a": "b"}, "nodeSelector": {"pool": "x"},
+        "tolerations": [{"operator": "Exists"}],
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+        "topologySpreadConstraints": [{"maxSkew": 2, "topologyKey": "kubernetes.io/hostname",
+                                       "whenUnsatisfiable": "ScheduleAnyway"}],
+        "priorityClassName": "low", "runtimeClassName": "gvisor",
+        "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
+        "securityContext": {"runAsUser": 1000, "fsGroup": 1000, "runAsNonRoot": None,
+                            "seccompProfile": {"type": "RuntimeDefault"},
+                            "supplementalGroups": [5]},
+        "containerSecurityContext": {"runAsUser": 1000, "readOnlyRootFilesystem": False,
+                                     "capabilities": {"add": ["NET_RAW"], "drop": ["ALL"]}},
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                    {"name": "data", "emptyDir": {}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data/"},
+                         {"name": "tmp", "mountPath": "/tmp/sub", "subPath": "x"}],
+        "containers": [{"name": "proxy", "image": "p:1",
+                        "volumeMounts": [{"name": "data", "mountPath": "/tmp"}],
+                        "securityContext": {"runAsUser": 7}}],
+        "initContainers": [{"name": "init", "image": "i:1", "restartPolicy": "Always"}],
+    }
+    run = parse_batchrun(spec_with(template=template))
+    assert run.template == template
+
+
+def test_null_template_fields_are_dropped():
+    run = parse_batchrun(spec_with(template={"volumes": None, "image": "x", "hostNetwork": None}))
+    assert run.template == {"image": "x"}
+    assert parse_batchrun(spec_with(template=None)).template == {}
+
+
+def _c(name="side", **extra):
+    return {"name": name, "image": "img:1", **extra}
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ("image: x", "spec.template must be a mapping, got the string"),
+    ({"imagee": "x"}, "spec.template: unknown field(s) imagee"),
+    ({"image": 3}, "spec.template.image must be a string, got the number 3"),
+    ({"imagePullPolicy": "Sometimes"}, "spec.template.imagePullPolicy must be one of Always"),
+    ({"hostNetwork": "true"}, "spec.template.hostNetwork must be true or false, got the string"),
+    ({"hostNetwork": 1}, "spec.template.hostNetwork must be true or false, got the number 1"),
+    ({"dnsPolicy": "None"}, "spec.template.dnsPolicy must be one of ClusterFirst"),
+    ({"priorityClassName": ""}, "spec.template.priorityClassName must be a non-empty string"),
+    ({"runtimeClassName": 5}, "spec.template.runtimeClassName must be a non-empty string"),
+    ({"resources": []}, "spec.template.resources must be a mapping, got a list"),
+    ({"labels": {"version": 1.0}}, "spec.template.labels.version must be a string (quote it"),
+    ({"nodeSelector": ["a"]}, "spec.template.nodeSelector must be a mapping of strings"),
+    ({"env": {"A": "1"}}, "spec.template.env must be a list, got a mapping"),
+    ({"env": [{"value": "1"}]}, "spec.template.env[0].name is required"),
+    ({"env": ["A=1"]}, "spec.template.env[0] must be a mapping, got the string 'A=1'"),
+    ({"tolerations": {"key": "x"}}, "spec.template.tolerations must be a list"),
+    ({"imagePullSecrets": ["regcred"]}, "spec.template.imagePullSecrets[0] must be a mapping"),
+    ({"imagePullSecrets": [{"name": ""}]},
+     "spec.template.imagePullSecrets[0].name must be a non-empty"),
+    ({"affinity": [{"nodeAffinity": {}}]}, "spec.template.affinity must be a mapping"),
+    ({"affinity": {"nodeAfinity": {}}}, "spec.template.affinity: unknown field(s) nodeAfinity"),
+    ({"affinity": {"nodeAffinity": []}}, "spec.template.affinity.nodeAffinity must be a mapping"),
+    ({"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "k"}]},
+     "spec.template.topologySpreadConstraints[0].whenUnsatisfiable is required"),
+    ({"topologySpreadConstraints": [{"maxSkew": 0, "topologyKey": "k",
+                                     "whenUnsatisfiable": "DoNotSchedule"}]},
+     "spec.template.topologySpreadConstraints[0].maxSkew must be an integer of at least 1"),
+    ({"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "k",
+                                     "whenUnsatisfiable": "Maybe"}]},
+     "topologySpreadConstraints[0].whenUnsatisfiable must be one of DoNotSchedule"),
+    # volumes and mounts
+    ({"volumes": {"name": "x"}}, "spec.template.volumes must be a list, got a mapping"),
+    ({"volumes": [{"emptyDir": {}}]}, "spec.template.volumes[0].name is required"),
+    ({"volumes": [{"name": "Data"}]}, "spec.template.volumes[0].name 'Data' must be a DNS label"),
+    ({"volumes": [{"name": "d"}, {"name": "d"}]},
+     "spec.template.volumes[1].name 'd' is used twice"),
+    ({"volumes": [{"name": f"v{i}"} for i in range(65)]},
+     "spec.template.volumes has 65 items; the limit is 64"),
+    ({"volumeMounts": [{"name": "data", "mountPath": "/data"}]},
+     "spec.template.volumeMounts[0].name 'data' is not a volume: define it in"),
+    ({"volumes": [{"name": "d"}], "volumeMounts": [{"name": "d"}]},
+     "spec.template.volumeMounts[0].mountPath is required"),
+    ({"volumes": [{"name": "d"}], "volumeMounts": [{"name": "d", "mountPath": "data"}]},
+     "spec.template.volumeMounts[0].mountPath must be an absolute path"),
+    ({"volumes": [{"name": "d"}], "volumeMounts": [{"name": "d", "mountPath": "/tmp"}]},
+     "spec.template.volumeMounts[0].mountPath: /tmp is the worker's scratch directory"),
+    ({"volumeMounts": [{"name": "tmp", "mountPath": "/tmp/"}]},
+     "to change what backs it, define a volume named 'tmp' in spec.template.volumes"),
+    ({"volumes": [{"name": "d"}], "volumeMounts": [{"name": "d", "mountPath": "/d"},
+                                                   {"name": "d", "mountPath": "/d/"}]},
+     "spec.template.volumeMounts[1].mountPath '/d/' is mounted twice"),
+    # security contexts
+    ({"securityContext": "restricted"}, "spec.template.securityContext must be a mapping"),
+    ({"securityContext": {"runAsUser": "1000"}},
+     "spec.template.securityContext.runAsUser must be an integer, got the string '1000'"),
+    ({"securityContext": {"runAsNonRoot": "yes"}},
+     "spec.template.securityContext.runAsNonRoot must be true or false"),
+    ({"securityContext": {"capabilities": {"drop": ["ALL"]}}},
+     "spec.template.securityContext.capabilities is a container field: for the worker set "
+     "it in spec.template.containerSecurityContext"),
+    ({"securityContext": {"runAsUsr": 1}},
+     "spec.template.securityContext: unknown field 'runAsUsr'"),
+    ({"containerSecurityContext": {"fsGroup": 1}},
+     "spec.template.containerSecurityContext.fsGroup is a pod-level field: set it in "
+     "spec.template.securityContext"),
+    ({"containerSecurityContext": {"privileged": 0}},
+     "spec.template.containerSecurityContext.privileged must be true or false"),
+    ({"containerSecurityContext": {"capabilities": {"add": "NET_RAW"}}},
+     "spec.template.containerSecurityContext.capabilities.add must be a list of capability"),
+    ({"containerSecurityContext": {"capabilities": {"remove": ["X"]}}},
+     "spec.template.containerSecurityContext.capabilities: unknown field 'remove'"),
+    ({"containerSecurityContext": {"capabilities": ["ALL"]}},
+     "spec.template.containerSecurityContext.capabilities must be a mapping"),
+    ({"securityContext": {"seccompProfile": {"type": 1}}},
+     "spec.template.securityContext.seccompProfile.type must be a string"),
+    # extra containers
+    ({"containers": _c()}, "spec.template.containers must be a list, got a mapping"),
+    ({"containers": [_c("worker")]},
+     "spec.template.containers[0].name: 'worker' is the name of jobrunner's own container"),
+    ({"initContainers": [_c("worker")]},
+     "spec.template.initContainers[0].name: 'worker' is the name of jobrunner's own"),
+    ({"containers": [_c(), _c()]}, "spec.template.containers[1].name 'side' is used twice"),
+    ({"initContainers": [_c()], "containers": [_c()]},
+     "spec.template.containers[0].name 'side' is used twice (container names must be unique "
+     "across spec.template.containers and spec.template.initContainers)"),
+    ({"containers": [{"name": "side"}]}, "spec.template.containers[0].image is required"),
+    ({"containers": [{"image": "x"}]}, "spec.template.containers[0].name is required"),
+    ({"containers": [_c("Side_Car")]}, "spec.template.containers[0].name 'Side_Car' must be"),
+    ({"containers": [_c(image="")]}, "spec.template.containers[0].image must be a non-empty"),
+    ({"containers": [_c(args="--flag")]}, "spec.template.containers[0].args must be a list"),
+    ({"containers": [_c(volumeMounts=[{"name": "nope", "mountPath": "/x"}])]},
+     "spec.template.containers[0].volumeMounts[0].name 'nope' is not a volume"),
+    ({"containers": [_c(securityContext={"fsGroup": 1})]},
+     "spec.template.containers[0].securityContext.fsGroup is a pod-level field"),
+    ({"initContainers": [_c(restartPolicy="OnFailure")]},
+     "spec.template.initContainers[0].restartPolicy must be one of Always"),
+    ({"containers": [_c(f"c{i}") for i in range(17)]},
+     "spec.template.containers has 17 items; the limit is 16"),
+])
+def test_rejected_templates(template, message):
+    with pytest.raises(BadInput) as info:
+        parse_batchrun(spec_with(template=template))
+    assert message in str(info.value)
+    assert "(BatchRun demo)" in str(info.value)
