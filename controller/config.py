@@ -17,6 +17,7 @@ class Config:
     refresh_seconds: float
     delete_retries: int
     worker_service_account: str | None
+    worker_host_network: bool = False
 
     @classmethod
     def from_env(cls) -> Config:
@@ -29,6 +30,8 @@ class Config:
             refresh_seconds=float(env.get("JOBRUNNER_REFRESH_SECONDS", "5")),
             delete_retries=int(env.get("JOBRUNNER_DELETE_RETRIES", "5")),
             worker_service_account=env.get("JOBRUNNER_WORKER_SERVICE_ACCOUNT") or None,
+            worker_host_network=env.get("JOBRUNNER_WORKER_HOST_NETWORK", "").lower()
+            in ("1", "true", "yes"),
         )
 
 

@@ -7,6 +7,7 @@ BatchRun's name and uid, status is patched only where it changed.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from typing import Any
 
@@ -17,7 +18,7 @@ from jobrunner.errors import BadInput, UnknownBatch
 from jobrunner.manifest import BatchRunSpec, parse_batchrun
 from jobrunner.redact import redact_text
 
-from . import metrics
+from . import metrics, pods
 from .conditions import get_condition, now_iso, set_condition
 from .config import CONFIG, GROUP, PLURAL, VERSION
 from .database import DatabaseProblem, queue_for, read_dsn
@@ -198,6 +199,14 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
                                    else "default: max(1 day, 3 x visibilityTimeoutSeconds + 60)")
     new["startTime"] = st.get("startTime") or now_iso()
     phase, reason, message = _phase(run, job, counts, batch_id)
+    if phase == "Running":
+        conditions, stuck = _worker_health(body, job, conditions, generation)
+        if stuck is not None:
+            phase, reason = "Failed", stuck.reason
+            message = (f"{_safe(stuck.describe())}; no worker started in "
+                       f"{pods.START_TIMEOUT:g}s. {message}. Unfinished tasks stay in the queue: "
+                       f"retry with a new BatchRun with source: external and batchId {batch_id}")
+            _stop_job(job)
     new.update(phase=phase, counts=counts, message=message, observedGeneration=generation)
     if phase in TERMINAL:
         new["completionTime"] = st.get("completionTime") or now_iso()
@@ -298,6 +307,42 @@ def _ensure_job(body: kopf.Body, run: BatchRunSpec, st: dict[str, Any], batch_id
         job = api.patch_namespaced_job(name, ns, {"spec": changes})
         _event(body, "Normal", "JobUpdated", message=f"Job {name}: {changes}")
     return job
+
+
+def _worker_health(body: kopf.Body, job: Any, conditions: list[dict[str, Any]],
+                   generation: int) -> tuple[list[dict[str, Any]], pods.PodProblem | None]:
+    """WorkersHealthy from the Job's pods; the problem that should fail the run, if any."""
+    found = pods.job_pods(body.metadata.namespace, job.metadata.name)
+    if found is None:
+        return conditions, None
+    health = pods.classify(found)
+    previous = get_condition(conditions, "WorkersHealthy")
+    problem = health.problem
+    if problem is None:
+        if health.any_started:
+            conditions = set_condition(conditions, "WorkersHealthy", True, "WorkersStarted",
+                                       "worker containers started", generation)
+        return conditions, None
+    message = _safe(problem.describe())
+    conditions = set_condition(conditions, "WorkersHealthy", False, problem.reason, message,
+                               generation)
+    if not previous or previous.get("status") != "False" or previous.get("reason") != (
+            problem.reason):
+        _event(body, "Warning", problem.reason, message=message)
+    waited = pods.stuck_for(get_condition(conditions, "WorkersHealthy"),
+                            dt.datetime.now(dt.UTC))
+    if not health.any_started and waited >= pods.START_TIMEOUT:
+        return conditions, problem
+    return conditions, None
+
+
+def _stop_job(job: Any) -> None:
+    """Suspend a Job whose pods can never start: its pods go, the run has failed."""
+    try:
+        batch_api().patch_namespaced_job(job.metadata.name, job.metadata.namespace,
+                                         {"spec": {"suspend": True}})
+    except ApiException as exc:
+        log.warning("could not suspend Job %s: HTTP %s", job.metadata.name, exc.status)
 
 
 def _job_finished(job: Any) -> tuple[str, str, str] | None:

@@ -12,7 +12,13 @@ from jobrunner.manifest import TMP_PATH, TMP_VOLUME, WORKER_CONTAINER, BatchRunS
 
 from .config import CONFIG
 
-WORKER_GRACE_SECONDS = 30
+# The pod's default termination grace; the worker gets two thirds of it to finish running
+# tasks, the rest is for releasing the unfinished ones and exiting before SIGKILL.
+POD_GRACE_SECONDS = 45
+
+
+def worker_grace(pod_grace: int) -> int:
+    return max(1, pod_grace * 2 // 3)
 
 # Hardened by default; spec.template.securityContext / containerSecurityContext are merged
 # over these (merge_over), so a run can change one key (runAsUser, a seccomp profile, an
@@ -61,6 +67,7 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
               secret_name: str, secret_key: str) -> dict[str, Any]:
     # A copy: the Job must not share nested objects with the parsed spec.
     template = copy.deepcopy(dict(run.template))
+    pod_grace = template.get("terminationGracePeriodSeconds") or POD_GRACE_SECONDS
     env = [
         {"name": "JOBRUNNER_DATABASE_URL",
          "valueFrom": {"secretKeyRef": {"name": secret_name, "key": secret_key}}},
@@ -73,7 +80,7 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
         "image": template.get("image") or CONFIG.worker_image,
         "imagePullPolicy": template.get("imagePullPolicy") or CONFIG.image_pull_policy,
         "command": ["jobrunner", "worker", "--batch", batch_id, "--exit-when-drained",
-                    "--log-format", "json", "--grace-period", str(WORKER_GRACE_SECONDS),
+                    "--log-format", "json", "--grace-period", str(worker_grace(pod_grace)),
                     *run.worker_args()],
         "env": env,
         "securityContext": merge_over(WORKER_SECURITY_CONTEXT,
@@ -98,7 +105,7 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
         "containers": [container, *template.get("containers", [])],
         # Workers talk to PostgreSQL only: no Kubernetes API token in their pods.
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS + 15,
+        "terminationGracePeriodSeconds": pod_grace,
         "volumes": volumes,
         "securityContext": merge_over(POD_SECURITY_CONTEXT, template.get("securityContext") or {}),
     }
@@ -110,7 +117,10 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
     for key in POD_PASSTHROUGH:
         if template.get(key):
             pod_spec[key] = template[key]
-    if template.get("hostNetwork"):
+    host_network = template.get("hostNetwork")
+    if host_network is None:
+        host_network = CONFIG.worker_host_network
+    if host_network:
         pod_spec["hostNetwork"] = True
         # With the host's network the default ClusterFirst would silently fall back to the
         # node's resolver: cluster Service names (the database's) would not resolve.

@@ -41,7 +41,7 @@ TEMPLATE_FIELDS = {
     "envFrom", "volumeMounts", "containerSecurityContext", "labels", "annotations",
     "nodeSelector", "tolerations", "affinity", "topologySpreadConstraints",
     "priorityClassName", "runtimeClassName", "hostNetwork", "dnsPolicy", "securityContext",
-    "volumes", "containers", "initContainers",
+    "volumes", "containers", "initContainers", "terminationGracePeriodSeconds",
 }
 WORKER_CONTAINER = "worker"
 # The worker's root filesystem is read-only: it always gets a writable /tmp from the
@@ -314,6 +314,11 @@ def parse_template(raw: Any, where: str) -> dict[str, Any]:
     _choice(template, "imagePullPolicy", PULL_POLICIES, at)
     _choice(template, "dnsPolicy", DNS_POLICIES, at)
     _typed(template, "hostNetwork", bool, at)
+    grace = template.get("terminationGracePeriodSeconds")
+    if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int)
+                              or not 1 <= grace <= 86400):
+        raise BadInput(f"{at}.terminationGracePeriodSeconds must be an integer from 1 to "
+                       f"86400, got {grace!r}")
     _typed(template, "resources", Mapping, at)
     for name in ("nodeSelector", "labels", "annotations"):
         _string_map(template, name, at)

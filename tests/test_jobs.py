@@ -239,6 +239,7 @@ def test_every_template_field_reaches_the_job():
         "volumes": [{"name": "v", "emptyDir": {}}],
         "containers": [{"name": "s", "image": "s:1"}],
         "initContainers": [{"name": "i", "image": "i:1"}],
+        "terminationGracePeriodSeconds": 6,
     }
     assert set(samples) == TEMPLATE_FIELDS
     base = job_for()
@@ -335,3 +336,14 @@ def test_the_operator_docs_template_example_builds():
     assert [c["name"] for c in pod["initContainers"]] == ["db-proxy"]
     assert {"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}} in pod["volumes"]
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_termination_grace_sets_the_pods_and_two_thirds_of_it_for_the_worker():
+    default = job_for()["spec"]["template"]["spec"]
+    assert default["terminationGracePeriodSeconds"] == 45
+    argv = default["containers"][0]["command"]
+    assert argv[argv.index("--grace-period") + 1] == "30"
+    short = job_for({"terminationGracePeriodSeconds": 6})["spec"]["template"]["spec"]
+    assert short["terminationGracePeriodSeconds"] == 6
+    argv = short["containers"][0]["command"]
+    assert argv[argv.index("--grace-period") + 1] == "4"
