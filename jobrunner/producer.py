@@ -1,0 +1,229 @@
+"""The producer: claims tasks and hands them to the executor's handler threads.
+
+Guarantees:
+- A claim is one short transaction that commits before any handler runs, and carries
+  the acks of what finished (Queue.try_complete_and_claim): a busy worker spends one
+  statement per claim, acks included.
+- Every claim asks for what `ClaimParams` says, from `_complete_and_claim`: the claim
+  loop and the handler threads' next-task claims go through that one place.
+- It claims only when the buffer of claimed, unstarted tasks is empty: the claim loop
+  when a slot is free too, a handler thread when it has just finished a task (its slot
+  is the free one). Tasks wait in the buffer, heartbeated, only for a slot to free up.
+- Idle, it sleeps idle_poll with jitter; a NOTIFY for its batch (the LISTEN thread)
+  wakes it early, and polling covers every NOTIFY that is lost (a reconnect,
+  PgBouncer's transaction pooling).
+- After max_tasks claims it claims no more and gives back what it has not started;
+  with exit_when_drained it returns once a claim found nothing and the batch has
+  nothing pending or leased. `release` gives leases back without burning an attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import db
+from .completer import Completer
+from .connection import QueueConnection
+from .effects import Effects
+from .executor import Executor
+from .queue import Lease, Outcome, Queue
+from .task import Task
+from .workerstate import Running, WorkerState
+
+if TYPE_CHECKING:
+    from .worker import WorkerConfig
+
+log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker logs on)
+
+_NONE_BUSY: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimParams:
+    """What every claim of this worker asks the queue for. Flow-control limits and claims
+    across a pool's batches belong here, and in the one statement that sends them
+    (Producer._complete_and_claim), the LISTEN filter and the drain check."""
+
+    worker_id: str
+    batch_id: str
+    limit: int  # the claim batch size: at most this many tasks per claim
+
+    @classmethod
+    def of(cls, config: WorkerConfig) -> ClaimParams:
+        return cls(config.worker_id, config.batch_id, config.batch_size)
+
+
+class Producer:
+    def __init__(self, config: WorkerConfig, state: WorkerState, conn: QueueConnection,
+                 completer: Completer, executor: Executor, effects: Effects) -> None:
+        self.config = config
+        self.claim = ClaimParams.of(config)
+        self.state = state
+        self.conn = conn
+        self.completer = completer
+        self.executor = executor
+        self.effects = effects
+        self._next_task = self.next_task  # (bound once, not per handler thread started)
+
+    # -- the claim loop ----------------------------------------------------------------
+    def run(self) -> None:
+        """Claim and start tasks until stopped, wedged, drained, or past max_tasks with
+        nothing left in flight. What finished is acked before it returns, unless the
+        database is gone; running tasks are the coordinator's to wind down."""
+        cfg, state, completer = self.config, self.state, self.completer
+        while True:
+            self.executor.check_wedged()
+            if state.force_stop.is_set() or state.stopping.is_set() or state.wedged:
+                completer.flush()
+                return
+            stop_claiming = self._reached_max()
+            if stop_claiming and state.buffer:
+                with state.lock:
+                    unstarted, state.buffer = state.buffer, []
+                self.release(unstarted)
+            want = 0
+            if not stop_claiming and not state.buffer and self._free_slots() > 0:
+                want = self.claim.limit
+            # Acks ride along with the next claim; they wait (at most max_ack_delay) only
+            # while claimed tasks are still being started from the local buffer.
+            outcomes = completer.due(want > 0 or stop_claiming)
+            claimed: list[Lease] = []
+            if outcomes or want:
+                claimed = self._complete_and_claim(outcomes, want, wait_busy=True)
+            self._start_from_buffer()
+            if stop_claiming and not state.in_flight() and not state.unacked:
+                return
+            if claimed:
+                continue
+            if state.in_flight() or state.unacked:
+                wait = cfg.idle_poll[1]
+                if state.unacked:
+                    wait = completer.wait_left(wait)
+                state.sleep(wait)
+                continue
+            if want and cfg.exit_when_drained and not self._batch_open():
+                log.info("worker %s: batch %s is drained; exiting", self.claim.worker_id,
+                         self.claim.batch_id)
+                return
+            state.sleep(random.uniform(*cfg.idle_poll))
+
+    def _complete_and_claim(self, outcomes: list[Outcome], limit: int, *,
+                            wait_busy: bool) -> list[Lease]:
+        """THE claim: record `outcomes` and claim up to `limit` tasks in one statement.
+        With wait_busy (the claim loop) a busy ack is sent again until it lands; without
+        (a handler thread) it goes back to the completer for the next statement."""
+        claim = self.claim
+
+        def op(q: Queue) -> list[Lease]:
+            if wait_busy:
+                kept, leases = q.complete_and_claim(claim.worker_id, outcomes, claim.batch_id,
+                                                    limit)
+                return self._claimed(outcomes, kept, leases, _NONE_BUSY)
+            kept, busy, leases = q.try_complete_and_claim(claim.worker_id, outcomes,
+                                                          claim.batch_id, limit)
+            return self._claimed(outcomes, kept, leases, busy)
+
+        return self.conn.run(op, "complete/claim")
+
+    def _claimed(self, outcomes: list[Outcome], kept: set[int], claimed: list[Lease],
+                 busy: frozenset[int] | set[int]) -> list[Lease]:
+        """Record a complete_and_claim's result. Runs while the caller holds the
+        connection's lock, so shutdown (which takes it) always finds new claims in the
+        buffer."""
+        self.completer.settle(outcomes, kept, busy)
+        state = self.state
+        with state.lock:
+            state.buffer.extend(claimed)
+            state.stats["claimed"] += len(claimed)
+        return claimed
+
+    def _reached_max(self) -> bool:
+        limit = self.config.max_tasks
+        return limit is not None and self.state.stats["claimed"] >= limit
+
+    def _free_slots(self) -> int:
+        state = self.state
+        with state.lock:
+            return self.config.concurrency - state.active
+
+    def _batch_open(self) -> bool:
+        return self.conn.run(lambda q: q.batch_open(self.claim.batch_id), "drain check")
+
+    # -- handing tasks to the executor -----------------------------------------------
+    def _start_from_buffer(self) -> None:
+        state = self.state
+        while True:
+            with state.lock:
+                if not state.buffer or state.active >= self.config.concurrency:
+                    return
+                entry = self._take_from_buffer()
+                state.active += 1
+            self.executor.start(entry, self._next_task)
+
+    def _take_from_buffer(self) -> Running:
+        """Move the next claimed task from the buffer to `running` (hold state.lock)."""
+        state = self.state
+        lease = state.buffer.pop(0)
+        entry = Running(lease, Task.from_lease(lease, self.claim.worker_id, self.effects))
+        state.running[lease.id] = entry
+        return entry
+
+    def next_task(self) -> Running | None:
+        """The next task for a handler thread that just finished one, or None: from the
+        buffer, or else by acking what finished and claiming more in one statement."""
+        state = self.state
+        with state.lock:
+            if state.winding_down():
+                return None
+            if state.buffer:
+                return self._take_from_buffer()
+            if self._reached_max():
+                return None
+            outcomes = self.completer.take_locked()
+        claimed = self._complete_and_claim(outcomes, self.claim.limit, wait_busy=False)
+        if not claimed:
+            return None
+        with state.lock:
+            if state.winding_down() or not state.buffer:
+                return None
+            entry = self._take_from_buffer()
+            more = bool(state.buffer) and state.active < self.config.concurrency
+        if more:
+            state.wake.set()  # free slots: the claim loop starts the rest
+        return entry
+
+    # -- giving back and waking up ---------------------------------------------------
+    def release(self, leases: list[Lease], *, db_locked: bool = False) -> None:
+        """Give leases back to pending without burning an attempt; on failure they come
+        back when they expire."""
+        if not leases:
+            return
+        run = self.conn.run_locked if db_locked else self.conn.run
+        try:
+            released = run(lambda q: q.release(self.claim.worker_id, leases), "release")
+        except Exception as exc:
+            log.warning("could not release %d task(s): %s; they return after their lease "
+                        "expires", len(leases), db.describe_error(exc, self.config.dsn))
+            return
+        with self.state.lock:
+            self.state.stats["released"] += len(released)
+
+    def listen(self) -> None:
+        """The LISTEN thread's body: wake the claim loop when tasks are enqueued; polling
+        stays the fallback (NOTIFY is lost behind PgBouncer's transaction pooling and
+        while disconnected)."""
+        state = self.state
+        while not state.force_stop.is_set() and not state.stopping.is_set():
+            try:
+                with db.connect(self.config.dsn, autocommit=True,
+                                purpose="jobrunner-listen", connect_timeout=3) as conn:
+                    conn.execute("LISTEN jobrunner_queue")
+                    while not state.stopping.is_set():
+                        for note in conn.notifies(timeout=1.0):
+                            if note.payload == self.claim.batch_id:
+                                state.wake.set()
+            except Exception:
+                state.force_stop.wait(1.0)
