@@ -24,7 +24,12 @@ COPY sql/ sql/
 COPY crds/ crds/
 # Core install only: the embedded PostgreSQL ([local] extra) is for laptops, not pods.
 # All dependencies ship binary wheels (psycopg[binary]), so no compiler is needed.
-RUN python -m venv /opt/venv \
+# A network that re-signs TLS needs its CA bundle for pip: pass it as a build secret
+# (`--secret id=ca-certificates,src=/etc/ssl/certs/ca-certificates.crt`); it is mounted
+# for this step only and never stored in a layer. Without the secret pip uses its own.
+RUN --mount=type=secret,id=ca-certificates,required=false \
+    if [ -s /run/secrets/ca-certificates ]; then export PIP_CERT=/run/secrets/ca-certificates; fi \
+ && python -m venv /opt/venv \
  && /opt/venv/bin/pip install --upgrade pip \
  && /opt/venv/bin/pip install . \
  && /opt/venv/bin/python -m compileall -q /opt/venv \

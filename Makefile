@@ -28,14 +28,19 @@ lint: $(VENV)/.installed
 e2e-bins: $(VENV)/.installed
 	$(PY) -m tests.e2e.harness.build
 
+# Debian packages: PgBouncer and shellcheck for tests; runc, the CNI loopback plugin and
+# debootstrap (the image's base) for the e2e node.
+SYSTEM_PACKAGES := pgbouncer shellcheck runc containernetworking-plugins debootstrap
 system-deps:
-	@{ command -v pgbouncer && command -v shellcheck; } >/dev/null || { \
+	@{ command -v pgbouncer && command -v shellcheck && command -v runc && \
+	   command -v debootstrap && test -x /usr/lib/cni/loopback; } >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y -qq pgbouncer shellcheck >/dev/null; \
-	  else echo "missing: sudo apt-get install pgbouncer shellcheck" >&2; exit 1; fi; }
+	    apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
+	  else echo "missing: sudo apt-get install $(SYSTEM_PACKAGES)" >&2; exit 1; fi; }
 
-# A real control plane on 127.0.0.1 in the foreground; kubeconfig in .e2e/kubeconfig.
-cluster: e2e-bins
+# A real single-node cluster (control plane, containerd + kubelet, the image built from the
+# Dockerfile) on 127.0.0.1 in the foreground; kubeconfig in .e2e/kubeconfig. Needs root.
+cluster: system-deps e2e-bins
 	$(PY) -m tests.e2e.harness.cluster
 
 bench: $(VENV)/.installed system-deps e2e-bins

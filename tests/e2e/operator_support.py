@@ -40,7 +40,9 @@ class Controller:
         self.k8s, self.namespace, self.log = k8s, namespace, log
         self.metrics_port = metrics_port
         self.env = {**k8s.env, "JOBRUNNER_REFRESH_SECONDS": "1",
-                    "JOBRUNNER_WORKER_IMAGE": "jobrunner:local", "PYTHONPATH": str(REPO),
+                    "JOBRUNNER_WORKER_IMAGE": k8s.image,
+                    "JOBRUNNER_WORKER_IMAGE_PULL_POLICY": "Never",
+                    "JOBRUNNER_WORKER_HOST_NETWORK": "true", "PYTHONPATH": str(REPO),
                     **env}
         self.proc: subprocess.Popen | None = None
 
@@ -70,7 +72,24 @@ class Controller:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def batchrun(name: str, spec: dict[str, Any]) -> str:
+# The tests' handlers (tests/support/handlers.py) are not in the image: worker pods get the
+# repository's tests/ read-only at /app/tests (PYTHONPATH=/app), so `tests.support.handlers`
+# imports in the container exactly as in a local process.
+TEST_HANDLERS_VOLUME = {"name": "test-handlers",
+                        "hostPath": {"path": str(REPO / "tests"), "type": "Directory"}}
+TEST_HANDLERS_MOUNT = {"name": "test-handlers", "mountPath": "/app/tests", "readOnly": True}
+
+
+def with_test_handlers(spec: dict[str, Any]) -> dict[str, Any]:
+    template = dict(spec.get("template") or {})
+    template["volumes"] = [*template.get("volumes", []), TEST_HANDLERS_VOLUME]
+    template["volumeMounts"] = [*template.get("volumeMounts", []), TEST_HANDLERS_MOUNT]
+    return {**spec, "template": template}
+
+
+def batchrun(name: str, spec: dict[str, Any], test_handlers: bool = True) -> str:
+    if test_handlers and str(spec.get("handler") or "").startswith("tests."):
+        spec = with_test_handlers(spec)
     return yaml.safe_dump({"apiVersion": "jobrunner.dev/v1alpha1", "kind": "BatchRun",
                            "metadata": {"name": name}, "spec": spec})
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import json
 import time
-from pathlib import Path
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -167,9 +166,10 @@ def test_no_password_in_logs_events_or_status(k8s, namespace, dsn, operator, tmp
         "jobs": k8s.kubectl("get", "jobs", "-n", namespace, "-o", "json").stdout,
         "pods": k8s.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout,
     }
-    log_root = Path(k8s.kubelet.root) / "logs" / namespace
-    for path in log_root.rglob("*.log") if log_root.exists() else []:
-        texts[f"pod log {path.name}"] = path.read_text(errors="replace")
+    # every container's log file, as the kubelet wrote it (what `kubectl logs` serves)
+    for path in k8s.node.pod_logs.glob(f"{namespace}_*/*/*.log"):
+        texts[f"pod log {path.parent.parent.name}/{path.parent.name}"] = path.read_text(
+            errors="replace")
     assert any(k.startswith("pod log") for k in texts), "no worker pod logs were collected"
     secret_forms = [password, canary, base64.b64encode(password.encode()).decode()]
     for where, text in texts.items():

@@ -107,14 +107,18 @@ def jwt_claims(token: str) -> dict[str, Any]:
     return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
 
 
+SA_TOKEN = "var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
 def process_credentials(k8s, namespace: str, pod: str) -> dict[str, Any]:
-    """The Kubernetes identity the pod's process really uses (its KUBECONFIG's token)."""
-    (pid,) = k8s.kubelet.pod_pids(namespace, pod).values()
+    """The Kubernetes identity the container's process really uses: the token the kubelet
+    projected into its filesystem, read from the host through /proc/PID/root."""
+    (pid,) = k8s.node.pod_pids(namespace, pod).values()
     env = dict(item.split("=", 1) for item in
                Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in item)
-    config = yaml.safe_load(Path(env["KUBECONFIG"]).read_text())
-    (user,) = config["users"]
-    return {"env": env, "user": user["name"], "claims": jwt_claims(user["user"]["token"])}
+    claims = jwt_claims((Path(f"/proc/{pid}/root") / SA_TOKEN).read_text().strip())
+    return {"env": env, "user": claims["kubernetes.io"]["serviceaccount"]["name"],
+            "claims": claims}
 
 
 def can_i(k8s, namespace: str | None, sa: str, *args: str) -> bool:
@@ -144,7 +148,18 @@ def helm_install(k8s, namespace: str, *sets: str, release: str = RELEASE):
         "install", release, str(CHART), "-n", namespace, "--wait", "--timeout", "3m",
         "--set", f"controller.metricsPort={metrics}", "--set", f"controller.healthPort={health}",
         "--set", "controller.refreshSeconds=1", "--set", "controller.logFormat=text",
-        "--set", "image.repository=jobrunner", "--set", "image.tag=e2e", *sets)
+        "--set", "image.repository=jobrunner", "--set", "image.tag=e2e",
+        "--set", "image.pullPolicy=Never", *node_values(k8s), *sets)
+
+
+def node_values(k8s) -> list[str]:
+    """The test node has no pod network: controller and workers on the host network, the
+    controller reaching the API server at 127.0.0.1 (not the Service's ClusterIP)."""
+    sets = ["--set", "controller.hostNetwork=true", "--set", "worker.hostNetwork=true"]
+    for i, env in enumerate(k8s.in_cluster_env()):
+        sets += ["--set", f"controller.extraEnv[{i}].name={env['name']}",
+                 "--set-string", f"controller.extraEnv[{i}].value={env['value']}"]
+    return sets
 
 
 def new_namespace(k8s) -> str:
@@ -297,7 +312,7 @@ def test_install_runs_the_example_with_the_charts_service_account(k8s, release, 
     (pod,) = controller_pods(k8s, ns)
     assert pod["spec"]["serviceAccountName"] == FULLNAME
     assert pod["status"]["phase"] == "Running"
-    creds = wait_for("the controller process", lambda: k8s.kubelet.pod_pids(
+    creds = wait_for("the controller process", lambda: k8s.node.pod_pids(
         ns, pod["metadata"]["name"]) and process_credentials(k8s, ns, pod["metadata"]["name"]))
     # the process runs with the chart's ServiceAccount token, not the admin's certificate
     assert creds["claims"]["sub"] == f"system:serviceaccount:{ns}:{FULLNAME}"

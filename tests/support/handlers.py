@@ -124,3 +124,22 @@ def hangs(task: Task) -> None:
 
 def raises_lease_lost(task: Task) -> None:
     raise LeaseLost("simulated")
+
+
+def hog_memory_first(task: Task) -> dict:
+    """On its first attempt, allocates payload.mb MiB and touches every page (under a pod
+    memory limit: an OOM kill); later attempts just record."""
+    if task.attempt == 1:
+        block = bytearray(int(task.payload.get("mb", 512)) << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        _sleep(task, 60)
+    return record(task)
+
+
+def write_file(task: Task) -> dict:
+    """Writes payload.path (in a hardened pod, only /tmp is writable)."""
+    path = task.payload.get("path", "/app/output.json")
+    with open(path, "w") as f:
+        f.write("{}")
+    return {"wrote": path}

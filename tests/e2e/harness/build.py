@@ -30,12 +30,43 @@ from pathlib import Path
 # ---- the one place where versions are pinned ---------------------------------
 K8S_VERSION = "v1.37.2"  # newest k8s.io/kubernetes that builds with Go 1.26
 HELM_VERSION = "v4.3.2"  # helm.sh/helm/v4 (built against k8s.io/* v0.37.2)
+CONTAINERD_VERSION = "v2.4.2"  # github.com/containerd/containerd/v2
+BUILDKIT_VERSION = "v0.34.2"  # github.com/moby/buildkit
 # etcd is go.etcd.io/etcd/server/v3 at the version k8s.io/kubernetes itself requires.
+# runc, the CNI loopback plugin and debootstrap are Debian packages (`make system-deps`).
 # -------------------------------------------------------------------------------
 
-K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kubectl", "etcd")
+K8S_BINARIES = (
+    "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl", "etcd",
+)
 HELM_BINARIES = ("helm",)
-ALL_BINARIES = K8S_BINARIES + HELM_BINARIES
+CONTAINERD_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr")
+BUILDKIT_BINARIES = ("buildkitd", "buildctl")
+ALL_BINARIES = K8S_BINARIES + HELM_BINARIES + CONTAINERD_BINARIES + BUILDKIT_BINARIES
+
+
+class GoModule:
+    """A plain Go module whose main packages build without replace directives of their own."""
+
+    def __init__(self, name: str, module: str, version: str, packages: tuple[str, ...],
+                 binaries: tuple[str, ...], version_vars: tuple[str, ...]) -> None:
+        self.name, self.module, self.version = name, module, version
+        self.packages, self.binaries, self.version_vars = packages, binaries, version_vars
+
+    def dir(self) -> Path:
+        return cache_root() / f"{self.name}-{self.version}"
+
+
+CONTAINERD = GoModule(
+    "containerd", "github.com/containerd/containerd/v2", CONTAINERD_VERSION,
+    ("cmd/containerd", "cmd/containerd-shim-runc-v2", "cmd/ctr"), CONTAINERD_BINARIES,
+    ("github.com/containerd/containerd/v2/version.Version",),
+)
+BUILDKIT = GoModule(
+    "buildkit", "github.com/moby/buildkit", BUILDKIT_VERSION,
+    ("cmd/buildkitd", "cmd/buildctl"), BUILDKIT_BINARIES,
+    ("github.com/moby/buildkit/version.Version",),
+)
 
 _STAMP = ".complete"
 
@@ -59,7 +90,8 @@ def helm_dir() -> Path:
 
 def bin_dir() -> Path:
     """The directory holding (symlinks to) every binary the harness uses."""
-    return cache_root() / f"bin-k8s-{K8S_VERSION}-helm-{HELM_VERSION}"
+    return cache_root() / (f"bin-k8s-{K8S_VERSION}-helm-{HELM_VERSION}"
+                           f"-containerd-{CONTAINERD_VERSION}-buildkit-{BUILDKIT_VERSION}")
 
 
 def _complete(d: Path, names) -> bool:
@@ -214,6 +246,8 @@ import (
             str(out) + "/",
             "k8s.io/kubernetes/cmd/kube-apiserver",
             "k8s.io/kubernetes/cmd/kube-controller-manager",
+            "k8s.io/kubernetes/cmd/kube-scheduler",
+            "k8s.io/kubernetes/cmd/kubelet",
             "k8s.io/kubernetes/cmd/kubectl",
             "./etcd",
         ],
@@ -287,6 +321,35 @@ def build_helm(force: bool = False) -> Path:
     return out
 
 
+def build_module(m: GoModule, force: bool = False) -> Path:
+    d = m.dir()
+    if not force and _complete(d, m.binaries):
+        return d / "bin"
+    t0 = time.monotonic()
+    src = d / "src"
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir(parents=True)
+    imports = "\n".join(f'\t_ "{m.module}/{p}"' for p in m.packages)
+    _write(src / "go.mod", f"module jobrunner.test/{m.name}build\n\ngo 1.26.0\n\n"
+                           f"require {m.module} {m.version}\n")
+    _write(src / "tools.go", f"//go:build tools\n\npackage tools\n\nimport (\n{imports}\n)\n")
+    _run(["go", "mod", "tidy"], src)
+    info = _mod_download(f"{m.module}@{m.version}", src)
+    commit = (info.get("Origin") or {}).get("Hash", "")
+    ldflags = ["-s", "-w", *(f"-X={v}={m.version}" for v in m.version_vars)]
+    out = d / "bin"
+    out.mkdir(parents=True, exist_ok=True)
+    (d / _STAMP).unlink(missing_ok=True)
+    _run(["go", "build", "-trimpath", "-ldflags=" + " ".join(ldflags), "-o", str(out) + "/",
+          *(f"{m.module}/{p}" for p in m.packages)], src)
+    secs = time.monotonic() - t0
+    _write(d / _STAMP, json.dumps({m.name: m.version, "commit": commit,
+                                   "seconds": round(secs, 1)}) + "\n")
+    _log(f"{m.name} {m.version} built in {secs:.0f}s")
+    return out
+
+
 def ensure_binaries(force: bool = False) -> Path:
     """Build whatever is missing and return the combined bin dir."""
     import fcntl
@@ -295,17 +358,21 @@ def ensure_binaries(force: bool = False) -> Path:
     cache_root().mkdir(parents=True, exist_ok=True)
     with open(cache_root() / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time (CI, pytest, a person)
-        kb = build_k8s(force)
-        hb = build_helm(force)
-        _link(kb, hb)
+        dirs = {
+            K8S_BINARIES: build_k8s(force),
+            HELM_BINARIES: build_helm(force),
+            CONTAINERD_BINARIES: build_module(CONTAINERD, force),
+            BUILDKIT_BINARIES: build_module(BUILDKIT, force),
+        }
+        _link(dirs)
     _log(f"binaries ready in {time.monotonic() - t0:.1f}s")
     return bin_dir()
 
 
-def _link(kb: Path, hb: Path) -> None:
+def _link(dirs: dict[tuple[str, ...], Path]) -> None:
     b = bin_dir()
     b.mkdir(parents=True, exist_ok=True)
-    for src_dir, names in ((kb, K8S_BINARIES), (hb, HELM_BINARIES)):
+    for names, src_dir in dirs.items():
         for n in names:
             link = b / n
             if link.is_symlink() or link.exists():
@@ -323,7 +390,8 @@ def main(argv=None) -> int:
     p.add_argument("--print-versions", action="store_true", help="print pinned versions and exit")
     a = p.parse_args(argv)
     if a.print_versions:
-        print(f"kubernetes {K8S_VERSION}\nhelm {HELM_VERSION}")
+        print(f"kubernetes {K8S_VERSION}\nhelm {HELM_VERSION}\ncontainerd {CONTAINERD_VERSION}\n"
+              f"buildkit {BUILDKIT_VERSION}")
         return 0
     if not go_available() and not binaries_present():
         print("go is not installed and the e2e binaries are not cached", file=sys.stderr)

@@ -1,8 +1,9 @@
-"""A real Kubernetes control plane on 127.0.0.1 with a process-emulating kubelet.
+"""A real single-node Kubernetes cluster on 127.0.0.1.
 
 etcd + kube-apiserver (client-cert auth, Node,RBAC authorization, service-account
-token signing) + kube-controller-manager (all default controllers) + the Python
-kubelet from :mod:`tests.e2e.harness.kubelet`.
+token signing) + kube-controller-manager (all default controllers) + a real node from
+:mod:`tests.e2e.harness.node` (containerd, runc, kubelet, kube-scheduler) running the
+jobrunner image built from the repository's Dockerfile.
 
 By hand (foreground, Ctrl-C to stop and clean up)::
 
@@ -33,7 +34,8 @@ from pathlib import Path
 import yaml
 
 from . import build
-from .kubelet import Kubelet
+from .images import JOBRUNNER_IMAGE
+from .node import Node
 from .pki import PKI
 from .procs import Proc, free_port
 
@@ -96,8 +98,7 @@ class Cluster:
         bin_dir: Path | str | None = None,
         kubeconfig_path: Path | str | None = None,
         keep: bool | None = None,
-        with_kubelet: bool = True,
-        node_name: str = "e2e-node",
+        with_node: bool = True,
         quiet: bool = True,
     ):
         self.bin_dir = Path(bin_dir) if bin_dir else build.bin_dir()
@@ -106,15 +107,15 @@ class Cluster:
             Path(kubeconfig_path) if kubeconfig_path else self.root / "admin.kubeconfig"
         )
         self.keep = bool(os.environ.get("JOBRUNNER_E2E_KEEP")) if keep is None else keep
-        self.with_kubelet = with_kubelet
-        self.node_name = node_name
+        self.with_node = with_node
+        self.image = JOBRUNNER_IMAGE.removeprefix("docker.io/library/")
         self.quiet = quiet
         self.etcd_port = free_port()
         self.etcd_peer_port = free_port()
         self.apiserver_port = free_port()
         self.kcm_port = free_port()
         self.server = f"https://127.0.0.1:{self.apiserver_port}"
-        self.kubelet: Kubelet | None = None
+        self.node: Node | None = None
         self.etcd: Proc | None = None
         self.apiserver: Proc | None = None
         self.kcm: Proc | None = None
@@ -223,6 +224,12 @@ class Cluster:
             f"--service-account-key-file={self.sa_keys.cert}",
             f"--service-account-signing-key-file={self.sa_keys.key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # logs/exec/port-forward: the API server calls the kubelet on 127.0.0.1 over
+            # verified TLS, as a cluster admin.
+            f"--kubelet-client-certificate={self.admin.cert}",
+            f"--kubelet-client-key={self.admin.key}",
+            f"--kubelet-certificate-authority={p / 'ca.crt'}",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
             "--allow-privileged=true",
             "--profiling=false",
             "--v=1",
@@ -272,22 +279,12 @@ class Cluster:
                 self.kcm,
                 timeout,
             )
-            if self.with_kubelet:
-                self.kubelet = Kubelet(
-                    self.api_client,
-                    server=self.server,
-                    ca_pem=self.ca_pem,
-                    root=self.root / "kubelet",
-                    node_name=self.node_name,
-                    extra_path=[str(self.bin_dir)],
-                    pythonpath=[str(REPO_ROOT)],
-                    k8s_version=build.K8S_VERSION,
-                )
-                self.kubelet.start()
+            if self.with_node:
+                self.node = Node(self.root / "node", self.bin_dir, self.pki, self.server,
+                                 self.kubeconfig, self._component_kubeconfig)
+                self.node.start()
             # The cluster is usable once the service-account controller works.
             self._wait(self._default_sa_exists, self.kcm, timeout)
-            if self.kubelet:
-                self._wait(self.kubelet.node_ready, self.kcm, 60)
         except BaseException:
             self.stop()
             raise
@@ -321,11 +318,11 @@ class Cluster:
             if self._stopped:
                 return
             self._stopped = True
-        if self.kubelet is not None:
+        if self.node is not None:
             try:
-                self.kubelet.stop()
+                self.node.stop()
             except Exception as e:  # pragma: no cover
-                print(f"[e2e-cluster] kubelet stop failed: {e}", file=sys.stderr)
+                print(f"[e2e-cluster] node stop failed: {e}", file=sys.stderr)
         for p, grace in ((self.kcm, 5), (self.apiserver, 3), (self.etcd, 5)):
             if p is not None:
                 p.stop(grace=grace)
@@ -430,10 +427,28 @@ class Cluster:
         cfg.retries = 0
         return client.ApiClient(configuration=cfg)
 
-    def pod_log(self, namespace: str, name: str, container: str | None = None) -> str:
-        if not self.kubelet:
-            raise ClusterError("no kubelet")
-        return self.kubelet.pod_log(namespace, name, container)
+    def _component_kubeconfig(self, name: str, cert) -> Path:
+        return write_kubeconfig(
+            self.root / f"{name}.kubeconfig",
+            kubeconfig_dict(self.server, self.ca_pem, {
+                "client-certificate-data": _b64(cert.cert_pem),
+                "client-key-data": _b64(cert.key_pem)}))
+
+    def pod_log(self, namespace: str, name: str, container: str | None = None,
+                previous: bool = False) -> str:
+        """`kubectl logs` (served by the kubelet from the container runtime's log files)."""
+        args = ["logs", name, "-n", namespace]
+        if container:
+            args += ["-c", container]
+        if previous:
+            args.append("--previous")
+        return self.kubectl(*args, timeout=60).stdout
+
+    def in_cluster_env(self) -> list[dict]:
+        """Env entries that let an in-cluster client on the host network reach the API
+        server (the kubelet injects the unreachable ClusterIP 10.0.0.1 otherwise)."""
+        return [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                {"name": "KUBERNETES_SERVICE_PORT", "value": str(self.apiserver_port)}]
 
     def info(self) -> dict:
         return {
@@ -445,6 +460,37 @@ class Cluster:
         }
 
 
+def usage(cluster: Cluster, bin_dir: Path) -> str:
+    """How to use the running cluster, printed by `make cluster`."""
+    env = cluster.in_cluster_env()
+    host, port = env[0]["value"], env[1]["value"]
+    return f"""
+A single-node cluster on 127.0.0.1: node {cluster.node.name if cluster.node else '(none)'} \
+(containerd, runc, kubelet), image {cluster.image} built from ./Dockerfile.
+In another shell:
+
+  export KUBECONFIG={cluster.kubeconfig} PATH={bin_dir}:$PATH
+  kubectl get nodes -o wide
+  kubectl create secret generic jobrunner-db --from-literal=dsn='postgresql://USER:PASS@127.0.0.1:PORT/DB'
+  helm install jr charts/jobrunner --wait \\
+    --set image.repository=jobrunner --set image.tag={cluster.image.split(':')[1]} \\
+    --set image.pullPolicy=Never --set controller.hostNetwork=true \\
+    --set worker.hostNetwork=true \\
+    --set controller.extraEnv[0].name=KUBERNETES_SERVICE_HOST \\
+    --set controller.extraEnv[0].value={host} \\
+    --set controller.extraEnv[1].name=KUBERNETES_SERVICE_PORT \\
+    --set-string controller.extraEnv[1].value={port}
+  kubectl apply -f examples/summarise.yaml
+  kubectl get pods -o wide; kubectl logs -l jobrunner.dev/batchrun=summarise-stdlib-docs
+  kubectl get br
+
+Pods must use the host network (no pod network here, by design: loopback only).
+Rebuild the image after a change: python -m tests.e2e.harness.images --rebuild
+Component logs: {cluster.root / 'logs'} and {cluster.root / 'node' / 'logs'}
+Ctrl-C stops everything and removes the pods.
+"""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description="Run the jobrunner e2e Kubernetes cluster in the foreground."
@@ -452,7 +498,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--kubeconfig", default=str(DEFAULT_KUBECONFIG), help="where to write the admin kubeconfig"
     )
-    ap.add_argument("--no-kubelet", action="store_true", help="control plane only")
+    ap.add_argument("--no-node", action="store_true", help="control plane only")
     ap.add_argument(
         "--keep", action="store_true", help="keep the temp dir (logs, etcd data) on exit"
     )
@@ -465,7 +511,7 @@ def main(argv=None) -> int:
         bin_dir,
         kubeconfig_path=a.kubeconfig,
         keep=a.keep,
-        with_kubelet=not a.no_kubelet,
+        with_node=not a.no_node,
         quiet=False,
     )
     stop = threading.Event()
@@ -477,16 +523,13 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _sig)
     cluster.start()
     try:
-        print(Path(cluster.kubeconfig).read_text())
         print(json.dumps(cluster.info(), indent=2))
-        print(
-            f"\nexport KUBECONFIG={cluster.kubeconfig} PATH={bin_dir}:$PATH\n"
-            "# pods run as local processes; logs: "
-            f"{cluster.root / 'kubelet' / 'logs'}\n# Ctrl-C to stop",
-            flush=True,
-        )
+        print(usage(cluster, bin_dir), flush=True)
         while not stop.wait(1):
-            for p in (cluster.etcd, cluster.apiserver, cluster.kcm):
+            procs = [cluster.etcd, cluster.apiserver, cluster.kcm]
+            if cluster.node:
+                procs += [cluster.node.containerd, cluster.node.kubelet, cluster.node.scheduler]
+            for p in procs:
                 if not p.alive():
                     print(f"{p.name} died:\n{p.log_tail()}", file=sys.stderr)
                     return 1

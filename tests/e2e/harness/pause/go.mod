@@ -1,0 +1,3 @@
+module jobrunner.test/pause
+
+go 1.26.0
