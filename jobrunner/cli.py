@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -31,6 +32,11 @@ DsnOpt = Annotated[str | None, typer.Option(
     "--dsn", help="PostgreSQL connection string (default: $JOBRUNNER_DATABASE_URL).",
     show_default=False)]
 BatchOpt = Annotated[str, typer.Option("--batch", help="Batch id.")]
+
+
+class InputFormat(StrEnum):
+    jsonl = "jsonl"
+    openai_batch = "openai-batch"
 
 
 def _fail(message: str, code: int) -> None:
@@ -59,6 +65,10 @@ def enqueue(
     tenant: Annotated[str, typer.Option("--tenant", help="Tenant id.")],
     max_attempts: Annotated[int, typer.Option(min=1, max=1000,
                                               help="Default attempts per task.")] = 8,
+    fmt: Annotated[InputFormat, typer.Option(
+        "--format", help="jsonl, or openai-batch: the OpenAI Batch input format "
+        "({custom_id, method, url, body} per line; key = custom_id).")
+    ] = InputFormat.jsonl,
     dsn: DsnOpt = None,
 ) -> None:
     """Enqueue tasks: one JSON object per line, {"key", "shard_key"?, "payload", "max_attempts"?}.
@@ -68,12 +78,15 @@ def enqueue(
     """
     from .validation import parse_jsonl
 
+    parse = parse_jsonl
+    if fmt == InputFormat.openai_batch:
+        from .openai_batch import parse_input as parse
     if file == "-":
-        tasks = parse_jsonl(sys.stdin, "stdin")
+        tasks = parse(sys.stdin, "stdin")
     else:
         try:
             with open(file, encoding="utf-8") as handle:
-                tasks = parse_jsonl(handle, file)
+                tasks = parse(handle, file)
         except OSError as exc:
             raise BadInput(f"cannot read {file}: {exc.strerror}") from None
         except UnicodeDecodeError as exc:
@@ -152,13 +165,17 @@ def status(batch: BatchOpt,
            as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")
                               ] = False,
            dsn: DsnOpt = None) -> None:
-    """Counts per status, oldest pending age and stuck leases of a batch."""
+    """Counts per status, oldest pending age, stuck leases and the most frequent errors."""
+    from .results import top_errors
+
     q = _queue(dsn)
     q.batch(batch)
     counts = q.counts(batch)
     health = q.health(batch)
+    top = top_errors(q.conn, batch) if counts["dead"] else []
     if as_json:
-        print(json.dumps({**counts, "total": sum(counts.values()), **health}))
+        print(json.dumps({**counts, "total": sum(counts.values()), **health,
+                          "top_errors": [group.as_json() for group in top]}))
         return
     table = Table(title=f"batch {batch}", show_header=True)
     for name in ("pending", "leased", "done", "dead", "cancelled", "total"):
@@ -168,6 +185,8 @@ def status(batch: BatchOpt,
     oldest = health["oldest_pending_seconds"]
     out.print(f"oldest pending: {'-' if oldest is None else f'{oldest:.1f}s'}   "
               f"stuck leases: {health['stuck']}")
+    if top:
+        out.print(top_errors_table(top))
 
 
 @dead_app.command("list")
@@ -244,6 +263,9 @@ def run(
 
     raise typer.Exit(run_local(manifest, workers=workers, batch=batch, data_dir=data_dir,
                                dsn=dsn or os.environ.get(db.DSN_ENV)))
+
+
+from .cli_results import top_errors_table  # noqa: E402  (registers `results` on app)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,8 +90,12 @@ def task_from_obj(obj: Any, where: str) -> TaskSpec:
     return TaskSpec(key=key, payload=payload, shard_key=shard, max_attempts=attempts)
 
 
-def parse_jsonl(lines: Iterable[str], source: str = "input") -> list[TaskSpec]:
-    """Parse JSON lines into task specs; any bad line rejects the whole input."""
+def parse_jsonl(lines: Iterable[str], source: str = "input", *,
+                to_task: Callable[[Any, str], TaskSpec] = task_from_obj,
+                key_name: str = "key") -> list[TaskSpec]:
+    """Parse JSON lines into task specs; any bad line rejects the whole input. Each
+    decoded line becomes a task through `to_task` (another input format plugs in its
+    own, e.g. jobrunner.openai_batch); `key_name` is what error messages call the key."""
     tasks: list[TaskSpec] = []
     seen: dict[str, int] = {}
     for number, line in enumerate(lines, start=1):
@@ -104,9 +108,9 @@ def parse_jsonl(lines: Iterable[str], source: str = "input") -> list[TaskSpec]:
             raise BadInput(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
         except ValueError as exc:
             raise BadInput(f"{where}: {exc}") from None
-        task = task_from_obj(obj, where)
+        task = to_task(obj, where)
         if task.key in seen:
-            raise BadInput(f"{where}: duplicate key {task.key!r} (first seen on line "
+            raise BadInput(f"{where}: duplicate {key_name} {task.key!r} (first seen on line "
                            f"{seen[task.key]})")
         seen[task.key] = number
         tasks.append(task)
