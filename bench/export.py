@@ -89,7 +89,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--small", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--out", type=Path, default=env.REPO / "bench" / "results")
+    parser.add_argument("--report-only", action="store_true",
+                        help="re-render export.md from the export.json in --out")
     args = parser.parse_args(argv)
+    if args.report_only:
+        record = json.loads((args.out / "export.json").read_text())
+        (args.out / "export.md").write_text(report(record))
+        return
     began = time.monotonic()
     load_before = env.load()
     server = env.Server()
@@ -151,13 +157,14 @@ def memory(record: dict) -> str:
         return runs[0]["rows"], max(r["peak_rss_mib"] for r in runs)
 
     (big, big_rss), (small, small_rss) = peak("jsonl"), peak("jsonl, small batch")
-    low, high = sorted((big_rss, small_rss))
     floor = record["floor"]["peak_rss_mib"]
-    return (f"Memory: {big:,} rows peak at {big_rss:.0f} MiB, {small:,} rows at "
-            f"{small_rss:.0f} MiB ({big / small:.0f}x the rows, {big_rss - small_rss:+.0f} "
-            f"MiB); both {low - floor:.0f}-{high - floor:.0f} MiB above the floor. The "
-            "export holds one fetch of a server-side cursor (5,000 rows) and a 1 MiB write "
-            "buffer, never the batch.")
+    above = sorted({round(big_rss - floor), round(small_rss - floor)})
+    return (f"Memory: {big:,} rows peak at {big_rss:.1f} MiB, {small:,} rows at "
+            f"{small_rss:.1f} MiB ({big / small:.0f}x the rows, "
+            f"{abs(big_rss - small_rss):.1f} MiB apart); "
+            f"{'-'.join(str(a) for a in above)} MiB above the floor. The export holds one "
+            "fetch of a server-side cursor (5,000 rows) and a 1 MiB write buffer, never "
+            "the batch.")
 
 
 def report(record: dict) -> str:
@@ -171,7 +178,7 @@ def report(record: dict) -> str:
                      f"{max(r['seconds'] for r in runs):.2f})",
                      f"{runs[0]['rows'] / seconds:,.0f}",
                      f"{statistics.median(r['cpu_seconds'] for r in runs):.2f}",
-                     f"{max(r['peak_rss_mib'] for r in runs):.0f}",
+                     f"{max(r['peak_rss_mib'] for r in runs):.1f}",
                      f"{runs[0]['file_mib']:.0f}" if "file_mib" in runs[0] else "-"])
     machine = record["machine"]
     floor = record["floor"]
@@ -189,7 +196,7 @@ def report(record: dict) -> str:
         table(["export", "rows", "seconds", "rows/s", "CPU s", "peak RSS MiB", "file MiB"],
               rows),
         "",
-        f"Floor: `python -m jobrunner --help` peaks at {floor['peak_rss_mib']:.0f} MiB "
+        f"Floor: `python -m jobrunner --help` peaks at {floor['peak_rss_mib']:.1f} MiB "
         f"(interpreter and imports) in {floor['seconds']:.2f} s.",
         "",
         memory(record),
