@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import db
+from .cli_limits import register as register_flow_control
 from .errors import BadInput, JobrunnerError
 from .logs import setup_logging
 from .migrate import migrate as apply_migrations
@@ -24,6 +25,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run batches of agent tasks from a PostgreSQL lease queue.")
 dead_app = typer.Typer(no_args_is_help=True, help="Inspect and requeue dead tasks.")
 app.add_typer(dead_app, name="dead")
+register_flow_control(app)  # limit, usage, budget (jobrunner/cli_limits.py)
 
 err = Console(stderr=True)
 out = Console()
@@ -173,9 +175,12 @@ def status(batch: BatchOpt,
     counts = q.counts(batch)
     health = q.health(batch)
     top = top_errors(q.conn, batch) if counts["dead"] else []
+    used = q.usage(batch, by_status=False)  # tokens and cost (jobrunner/limits.py)
     if as_json:
         print(json.dumps({**counts, "total": sum(counts.values()), **health,
-                          "top_errors": [group.as_json() for group in top]}))
+                          "top_errors": [group.as_json() for group in top],
+                          "tokens": used.tokens, "cost": float(used.cost),
+                          "budget_exhausted": used.exhausted}))
         return
     table = Table(title=f"batch {batch}", show_header=True)
     for name in ("pending", "leased", "done", "dead", "cancelled", "total"):
@@ -184,7 +189,8 @@ def status(batch: BatchOpt,
     out.print(table)
     oldest = health["oldest_pending_seconds"]
     out.print(f"oldest pending: {'-' if oldest is None else f'{oldest:.1f}s'}   "
-              f"stuck leases: {health['stuck']}")
+              f"stuck leases: {health['stuck']}   tokens: {used.tokens:,}   cost: {used.cost:g}"
+              + ("   budget exhausted" if used.exhausted else ""))
     if top:
         out.print(top_errors_table(top))
 

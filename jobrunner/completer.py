@@ -101,7 +101,7 @@ class Completer:
             self.account(outcomes, kept)
 
     def account(self, outcomes: Sequence[Outcome], kept: Collection[int]) -> None:
-        counts = {"lost": 0, "done": 0, "failed": 0}
+        counts = {"lost": 0, "done": 0, "failed": 0, "throttled": 0}
         for outcome in outcomes:
             if outcome.lease.id not in kept:
                 key = "lost"
@@ -109,6 +109,8 @@ class Completer:
                             outcome.lease.key, outcome.lease.attempt)
             elif outcome.ok:
                 key = "done"
+            elif outcome.throttle_after is not None:
+                key = "throttled"
             else:
                 key = "failed"
                 log.info("task %s attempt %d failed: %s", outcome.lease.key,

@@ -38,11 +38,21 @@ class Effects:
                                    configure=configure, open=False, timeout=30)
         self._opened = False
 
-    def once(self, lease: Lease, worker_id: str, effect_key: str,
-             effect: Callable[[psycopg.Connection], T]) -> T:
+    def _open(self) -> None:
         if not self._opened:
             self.pool.open()
             self._opened = True
+
+    def run(self, fn: Callable[[psycopg.Connection], T]) -> T:
+        """fn(conn) on one of the pool's connections (fn makes its own transaction);
+        used for what a handler reports mid-task (jobrunner/limits.py)."""
+        self._open()
+        with self.pool.connection() as conn:
+            return fn(conn)
+
+    def once(self, lease: Lease, worker_id: str, effect_key: str,
+             effect: Callable[[psycopg.Connection], T]) -> T:
+        self._open()
         params: dict[str, Any] = {"batch_id": lease.batch_id, "task_key": lease.key,
                                   "effect_key": effect_key, "id": lease.id,
                                   "attempt": lease.attempt, "worker_id": worker_id}

@@ -21,3 +21,23 @@ class PermanentError(Exception):
 
 class LeaseLost(Exception):
     """The worker no longer holds the task's lease: stop, apply no effect, do not ack."""
+
+
+class RateLimited(Exception):
+    """Raise from a handler when the service it calls answered "rate limited" (HTTP 429):
+    the task goes back to pending after `retry_after` seconds without using an attempt,
+    and the limit `limit` (default: every limit the task names) is blocked until then for
+    every worker. A task throttled max_throttles times (default 20) ends dead."""
+
+    def __init__(self, retry_after: float = 30.0, limit: str | None = None,
+                 message: str | None = None) -> None:
+        try:
+            seconds = float(retry_after)
+        except (TypeError, ValueError):
+            seconds = 30.0
+        if not 0 <= seconds < float("inf"):  # (NaN too)
+            seconds = 30.0
+        self.retry_after = min(seconds, 86400.0)
+        self.limit = limit
+        super().__init__(message or f"rate limited{f' by {limit}' if limit else ''}; "
+                                    f"retry after {self.retry_after:g}s")

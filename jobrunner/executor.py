@@ -28,8 +28,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from . import db, limits
 from .completer import Completer
-from .errors import LeaseLost, PermanentError
+from .errors import LeaseLost, PermanentError, RateLimited
 from .queue import Lease, Outcome, dumps_result
 from .task import Task
 from .workerstate import Running, WorkerState
@@ -77,6 +78,8 @@ class Executor:
             return Outcome(lease, False, error=str(exc))
         except PermanentError as exc:
             return Outcome(lease, False, error=describe(exc), permanent=True)
+        except RateLimited as exc:
+            return self._rate_limited(lease, task, exc)
         except BaseException as exc:
             return Outcome(lease, False, error=describe(exc))
         if task.lease_lost.is_set():
@@ -88,6 +91,23 @@ class Executor:
             return Outcome(lease, False, permanent=True,
                            error=f"handler returned a value that is not JSON: {exc}")
         return Outcome(lease, True, result=result, encoded=encoded)
+
+    def _rate_limited(self, lease: Lease, task: Task, exc: RateLimited) -> Outcome:
+        """Block the limit for every worker now (its own transaction: the claim must see
+        it before this outcome is even sent), then give the task back to pending after
+        retry_after without using an attempt (the `throttle` query)."""
+        effects = task._effects
+        if effects is not None:
+            try:
+                blocked = db.retrying(lambda: effects.run(
+                    lambda conn: limits.block_limits(conn, task.id, exc)), attempts=3)
+                if blocked:
+                    log.info("task %s: rate limited; limit(s) %s blocked for %.1fs", task.key,
+                             ", ".join(blocked), exc.retry_after)
+            except Exception as error:
+                log.warning("task %s: rate limited, but its limits could not be blocked: %s",
+                            task.key, error)
+        return Outcome(lease, False, error=describe(exc), throttle_after=exc.retry_after)
 
     def check_wedged(self) -> None:
         """A sync handler cannot be killed from another thread; if it ignores the loss of

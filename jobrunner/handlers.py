@@ -5,13 +5,18 @@ on the task), raise to retry with backoff, raise PermanentError to go to dead at
 
 Contract for command handlers: the payload arrives as JSON on stdin, the task fields
 in JOBRUNNER_TASK_* environment variables; stdout (JSON if it parses, else text) is the
-result. Exit 0 = done, exit 75 (EX_TEMPFAIL) = retry with backoff, any other exit code
-= permanent failure (dead), killed by a signal = retry (a crash, e.g. out of memory).
+result. Exit 0 = done, exit 75 (EX_TEMPFAIL) = retry with backoff, exit 76 = rate limited
+(like raising RateLimited), any other exit code = permanent failure (dead), killed by a
+signal = retry (a crash, e.g. out of memory). Usage and rate-limit details go as JSON
+lines to the file named by $JOBRUNNER_USAGE_FILE (see jobrunner/limits.py,
+read_usage_file): {"input_tokens": 812, "output_tokens": 95, "cost": 0.0012} per call
+(like task.report_usage), {"retry_after": 20, "limit": "openai"} before exit 76.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import json
@@ -21,10 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from .errors import BadInput, LeaseLost, PermanentError
+from .errors import BadInput, LeaseLost, PermanentError, RateLimited
+from .limits import EXIT_RATE_LIMITED, USAGE_FILE_ENV, read_usage_file
 from .task import Task
 
 EXIT_RETRY = 75
@@ -110,7 +116,9 @@ class CommandHandler:
             "JOBRUNNER_IDEMPOTENCY_KEY": task.idempotency_key(),
         })
         env.pop("JOBRUNNER_DATABASE_URL", None)  # the command gets the task, not the queue
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+                _usage_file() as usage_path:
+            env[USAGE_FILE_ENV] = usage_path
             proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=out, stderr=err,
                                     env=env, start_new_session=True)
             try:
@@ -128,7 +136,11 @@ class CommandHandler:
             err.seek(0)
             stdout = out.read(1024 * 1024).decode(errors="replace")
             stderr_tail = err.read()[-2000:].decode(errors="replace").strip()
+            reports, throttled = read_usage_file(_read_text(usage_path))
         code = proc.returncode
+        for report in reports:  # usage is real whatever the exit code says
+            task.report_usage(tokens=report.tokens, input_tokens=report.input_tokens,
+                              output_tokens=report.output_tokens, cost=report.cost)
         if code == 0:
             try:
                 return json.loads(stdout) if stdout.strip() else None
@@ -137,9 +149,34 @@ class CommandHandler:
         detail = f": {stderr_tail}" if stderr_tail else ""
         if code == EXIT_RETRY:
             raise RetryableError(f"command asked for a retry (exit 75){detail}")
+        if code == EXIT_RATE_LIMITED:
+            exc = throttled or RateLimited()
+            raise RateLimited(exc.retry_after, exc.limit,
+                              f"command was rate limited (exit 76): {exc}{detail}")
         if code < 0:
             raise RetryableError(f"command killed by signal {-code}{detail}")
         raise PermanentError(f"command failed with exit code {code}{detail}")
+
+
+@contextlib.contextmanager
+def _usage_file() -> Iterator[str]:
+    """A fresh, empty file for the command's usage lines, removed afterwards (even if the
+    command removed or replaced it)."""
+    fd, path = tempfile.mkstemp(prefix="jobrunner-usage-", suffix=".jsonl")
+    os.close(fd)
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _read_text(path: str, limit: int = 1024 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

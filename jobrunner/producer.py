@@ -67,6 +67,9 @@ class Producer:
         self.executor = executor
         self.effects = effects
         self._next_task = self.next_task  # (bound once, not per handler thread started)
+        # From the last claim that found nothing: seconds until a full limit has room
+        # (Queue.limit_wait), so the idle sleep ends then instead of a poll later.
+        self.limit_wait: float | None = None
 
     # -- the claim loop ----------------------------------------------------------------
     def run(self) -> None:
@@ -102,13 +105,21 @@ class Producer:
                 wait = cfg.idle_poll[1]
                 if state.unacked:
                     wait = completer.wait_left(wait)
-                state.sleep(wait)
+                state.sleep(self._until_room(wait) if want else wait)
                 continue
             if want and cfg.exit_when_drained and not self._batch_open():
                 log.info("worker %s: batch %s is drained; exiting", self.claim.worker_id,
                          self.claim.batch_id)
                 return
-            state.sleep(random.uniform(*cfg.idle_poll))
+            state.sleep(self._until_room(random.uniform(*cfg.idle_poll)))
+
+    def _until_room(self, wait: float) -> float:
+        """The idle sleep, cut short to when a full limit has room again: a limit paced at
+        one request per 100 ms must not wait for a 200-500 ms poll to be used."""
+        room = self.limit_wait
+        if room is None:
+            return wait
+        return min(wait, max(0.002, room) + random.uniform(0, 0.002))
 
     def _complete_and_claim(self, outcomes: list[Outcome], limit: int, *,
                             wait_busy: bool) -> list[Lease]:
@@ -121,9 +132,11 @@ class Producer:
             if wait_busy:
                 kept, leases = q.complete_and_claim(claim.worker_id, outcomes, claim.batch_id,
                                                     limit)
+                self.limit_wait = q.limit_wait if limit else self.limit_wait
                 return self._claimed(outcomes, kept, leases, _NONE_BUSY)
             kept, busy, leases = q.try_complete_and_claim(claim.worker_id, outcomes,
                                                           claim.batch_id, limit)
+            self.limit_wait = q.limit_wait if limit else self.limit_wait
             return self._claimed(outcomes, kept, leases, busy)
 
         return self.conn.run(op, "complete/claim")

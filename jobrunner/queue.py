@@ -18,11 +18,19 @@ from typing import Any
 import psycopg
 from psycopg.rows import RowFactory, dict_row, tuple_row
 
+from . import limits as flow
 from .db import transaction_pooling
 from .errors import BadInput, UnknownBatch
 from .prepared import PreparedStatement
 from .sqlfiles import query
-from .validation import TaskSpec, check_identifier, check_max_attempts, encode_payload
+from .validation import (
+    TaskSpec,
+    check_identifier,
+    check_limit_names,
+    check_max_attempts,
+    check_tokens,
+    encode_payload,
+)
 
 STATUSES = ("pending", "leased", "done", "dead", "cancelled")
 
@@ -59,6 +67,9 @@ class Outcome:
     error: str | None = None
     permanent: bool = False
     encoded: str | None = None  # the result as JSON, when the caller already encoded it
+    # Rate limited (RateLimited, exit 76): back to pending after this many seconds
+    # without using an attempt (see the `throttle` query).
+    throttle_after: float | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,7 @@ class Timing:
     visibility_timeout: float = 600.0
     backoff_base: float = 1.0
     backoff_cap: float = 3600.0
+    max_throttles: int = 20  # rate-limited answers before a task ends dead
 
 
 _SET_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
@@ -125,6 +137,9 @@ class Queue:
         # Per batch: where this connection's next claim starts scanning, and when it last
         # scanned from the start (see "Scan position" in sql/queries.sql).
         self._scan_from: dict[str, tuple[datetime, int, float]] = {}
+        # After a claim that found nothing: seconds until a limit that is full now has
+        # room again (its 'wait' row), or None. The worker sleeps no longer than that.
+        self.limit_wait: float | None = None
 
     def _cursor(self, row_factory: RowFactory = tuple_row) -> psycopg.Cursor:
         # Rows of a known shape, whatever row factory the caller's connection has.
@@ -199,8 +214,14 @@ class Queue:
 
     # -- enqueue -------------------------------------------------------------------
     def enqueue(self, batch_id: str, tenant_id: str, tasks: Iterable[TaskSpec],
-                max_attempts: int = 8) -> EnqueueResult:
+                max_attempts: int = 8, *, limits: Sequence[str] | None = None,
+                tokens: int | None = None) -> EnqueueResult:
         """Add tasks to a batch; tasks whose key already exists are left as they are.
+
+        `limits` and `tokens` are the batch's defaults (a BatchRun's): a task that names
+        no limits of its own draws from `limits`, and one without its own estimate is
+        charged `tokens`. Every limit named must exist (docs/flow-control.md), or
+        nothing is written.
 
         All rows are validated and encoded before the transaction starts; the insert
         itself is a COPY into a temporary table and one INSERT ... ON CONFLICT DO
@@ -209,6 +230,9 @@ class Queue:
         check_identifier(batch_id, "batch id")
         check_identifier(tenant_id, "tenant id")
         check_max_attempts(max_attempts)
+        default_limits = list(check_limit_names(limits, "batch limits") or ()) or None
+        default_tokens = check_tokens(tokens, "batch tokens") if tokens is not None else None
+        named: dict[str, str] = {name: "the batch's limits" for name in default_limits or ()}
         rows = []
         seen: set[str] = set()
         for task in tasks:
@@ -221,7 +245,13 @@ class Queue:
                 check_identifier(shard, f"shard key of task {key!r}")
             payload = encode_payload(task.payload, f"payload of task {key!r}")
             attempts = check_max_attempts(task.max_attempts) if task.max_attempts else max_attempts
-            rows.append((key, shard, payload, attempts))
+            own = check_limit_names(task.limits, f"limits of task {key!r}")
+            for name in own or ():
+                named.setdefault(name, f"task {key!r}")
+            estimate = (check_tokens(task.tokens, f"tokens of task {key!r}")
+                        if task.tokens is not None else default_tokens)
+            rows.append((key, shard, payload, attempts, list(own) if own else default_limits,
+                         estimate))
         with self._tx():
             batch = self._execute(query("ensure_batch"),
                                       {"batch_id": batch_id, "tenant_id": tenant_id}).fetchone()
@@ -230,10 +260,13 @@ class Queue:
                                f"not {tenant_id!r}")
             if batch["cancelled_at"] is not None and rows:
                 raise BadInput(f"batch {batch_id!r} was cancelled; enqueue under a new batch id")
+            flow.require_known(self.conn, named, named)
             self._execute(query("enqueue_stage_table"))
             with self.conn.cursor() as cur, cur.copy(
-                    "COPY jobrunner_enqueue_stage (task_key, shard_key, payload, max_attempts)"
-                    " FROM STDIN") as copy:
+                    "COPY jobrunner_enqueue_stage (task_key, shard_key, payload, max_attempts,"
+                    " limits, tokens) FROM STDIN") as copy:
+                # (the payload is already JSON text: sent as text, parsed by the server)
+                copy.set_types(["text", "text", "text", "int4", "text[]", "int8"])
                 for row in rows:
                     copy.write_row(row)
             new = self._execute(query("enqueue_from_stage"),
@@ -293,8 +326,19 @@ class Queue:
                 "backoff_cap": self.timing.backoff_cap}
 
     def _fail(self, worker_id: str, outcome: Outcome) -> str | None:
-        row = self._execute(query("fail"), self._fail_params(worker_id, outcome)).fetchone()
+        row = self._execute(*self._failure_step(worker_id, outcome)).fetchone()
         return row["status"] if row else None
+
+    def _failure_step(self, worker_id: str, outcome: Outcome) -> tuple[str, dict[str, Any]]:
+        """The statement that records a failed attempt: `fail`, or `throttle` for a
+        rate-limited one (which gives its attempt back)."""
+        params = self._fail_params(worker_id, outcome)
+        if outcome.throttle_after is None:
+            return query("fail"), params
+        return query("throttle"), {
+            "id": params["id"], "attempt": params["attempt"], "worker_id": worker_id,
+            "error": params["error"], "retry_after": float(outcome.throttle_after),
+            "max_throttles": self.timing.max_throttles}
 
 
     def complete(self, worker_id: str, outcomes: Sequence[Outcome]) -> set[int]:
@@ -338,9 +382,10 @@ class Queue:
         successes = [o for o in outcomes if o.ok]
         failures = [o for o in outcomes if not o.ok]
         claiming = bool(limit and batch_id is not None)
-        steps: list[tuple[str, Any]] = [
-            (query("fail"), self._fail_params(worker_id, f)) for f in failures]
+        steps: list[tuple[str, Any]] = [self._failure_step(worker_id, f) for f in failures]
         after = self._scan_position(batch_id) if claiming else None
+        if claiming:
+            self.limit_wait = None
         if successes or claiming:
             steps.append((query("ack_and_claim"), self._ack_and_claim_params(
                 worker_id, successes, batch_id if claiming else None, limit, after)))
@@ -414,10 +459,10 @@ class Queue:
         rows = cursors[-1].fetchall() if len(cursors) > len(failures) else []
         return self._completed(failed, rows)
 
-    @staticmethod
-    def _completed(failed: set[int], rows: Sequence[tuple]
+    def _completed(self, failed: set[int], rows: Sequence[tuple]
                    ) -> tuple[set[int], set[int], list[Lease]]:
-        """Sort ack_and_claim's rows (see sql/queries.sql) into kept, busy and leases."""
+        """Sort ack_and_claim's rows (see sql/queries.sql) into kept, busy and leases
+        (and a 'wait' row into limit_wait)."""
         kept = failed
         busy: set[int] = set()
         leases: list[Lease] = []
@@ -427,6 +472,9 @@ class Queue:
                 leases.append(_lease(row))
             elif outcome == "acked":
                 kept.add(row[1])
+            elif outcome == "wait":
+                # (both times on the database clock: no skew with the worker's)
+                self.limit_wait = max(0.0, (row[9] - row[10]).total_seconds())
             else:
                 busy.add(row[1])
         leases.sort(key=lambda lease: lease.id)
@@ -500,6 +548,18 @@ class Queue:
             "oldest_pending_seconds": _float(row["oldest_pending_seconds"]),
             "next_run_in_seconds": _float(row["next_run_in_seconds"]),
         }
+
+    # -- flow control (jobrunner/limits.py) ----------------------------------------------
+    def set_budget(self, batch_id: str, *, tokens: int | None = None,
+                   cost: float | str | None = None) -> None:
+        """Set or raise a batch's budget of tokens and/or cost (None: keep the current
+        one). Its claims stop while its reported usage is at or over it."""
+        flow.set_budget(self.conn, batch_id, tokens=tokens, cost=cost)
+
+    def usage(self, batch_id: str, *, by_status: bool = True) -> flow.BatchUsage:
+        """The batch's tokens and cost (total, and by task status), its budget, and
+        whether the budget is exhausted (its claims stopped)."""
+        return flow.batch_usage(self.conn, batch_id, by_status=by_status)
 
     def retention(self, older_than_seconds: float, *, include_dead: bool = False,
                   archive: bool = False, batch_size: int = 1000) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import LeaseLost
@@ -52,6 +53,25 @@ class Task:
         does not repeat their effect."""
         base = f"jobrunner:{self.batch_id}:{self.key}"
         return f"{base}:{effect_key}" if effect_key else base
+
+    def report_usage(self, *, tokens: int | None = None, input_tokens: int | None = None,
+                     output_tokens: int | None = None,
+                     cost: float | Decimal | str | None = None) -> None:
+        """Record what a call of this attempt used (several calls add up): in the usage
+        ledger (per attempt, failed ones included), the batch's totals (its budget) and
+        the task's token limits, which are corrected by actual minus the task's
+        estimate (the first report of an attempt replaces the estimate, later reports
+        add to it). `tokens` defaults to input_tokens + output_tokens; cost is in
+        whatever currency unit the batch's budget uses. Written at once, in its own
+        transaction, so the limits see it before the task ends (docs/flow-control.md)."""
+        from . import db, limits
+
+        usage = limits.Usage.of(tokens, input_tokens, output_tokens, cost)
+        if self._effects is None:
+            raise RuntimeError("this task has no database attached to report usage to")
+        effects = self._effects
+        db.retrying(lambda: effects.run(
+            lambda conn: limits.record_usage(conn, self.id, self.attempt, usage)), attempts=8)
 
     def once(self, effect_key: str, effect: Callable[[psycopg.Connection], T]) -> T:
         """Run a database effect at most once per (batch, task key, effect key).

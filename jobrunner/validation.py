@@ -18,6 +18,8 @@ MAX_PAYLOAD_BYTES = 1024 * 1024  # 1 MiB of JSON per task: queue rows are not bl
 MAX_KEY_CHARS = 512
 MAX_ID_CHARS = 256
 MAX_ATTEMPTS_LIMIT = 1000
+MAX_LIMITS_PER_TASK = 16
+MAX_TOKENS = 10**15  # a token estimate or report past this is a bug, not a workload
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class TaskSpec:
     payload: dict[str, Any] = field(default_factory=dict)
     shard_key: str | None = None
     max_attempts: int | None = None
+    limits: tuple[str, ...] | None = None  # flow-control limits it draws from (by name)
+    tokens: int | None = None  # its token estimate, charged to token limits at the claim
 
 
 def check_identifier(value: Any, what: str, *, max_chars: int = MAX_ID_CHARS,
@@ -72,7 +76,7 @@ def json_type(value: Any) -> str:
 def task_from_obj(obj: Any, where: str) -> TaskSpec:
     if not isinstance(obj, dict):
         raise BadInput(f"{where}: a task must be a JSON object, got {json_type(obj)}")
-    unknown = set(obj) - {"key", "shard_key", "payload", "max_attempts"}
+    unknown = set(obj) - {"key", "shard_key", "payload", "max_attempts", "limits", "tokens"}
     if unknown:
         raise BadInput(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     if "key" not in obj:
@@ -87,7 +91,37 @@ def task_from_obj(obj: Any, where: str) -> TaskSpec:
     attempts = obj.get("max_attempts")
     if attempts is not None:
         attempts = check_max_attempts(attempts, f"{where}: max_attempts")
-    return TaskSpec(key=key, payload=payload, shard_key=shard, max_attempts=attempts)
+    limits = check_limit_names(obj["limits"], f"{where}: limits") if "limits" in obj else None
+    tokens = check_tokens(obj["tokens"], f"{where}: tokens") if "tokens" in obj else None
+    return TaskSpec(key=key, payload=payload, shard_key=shard, max_attempts=attempts,
+                    limits=limits, tokens=tokens)
+
+
+def check_limit_names(value: Any, what: str = "limits") -> tuple[str, ...] | None:
+    """A list of limit names (deduplicated, in order); an empty list or None: none.
+    Whether the limits exist is checked against the database when enqueueing."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise BadInput(f"{what} must be a list of limit names, got {json_type(value)}")
+    names: list[str] = []
+    for item in value:
+        name = check_identifier(item, f"{what}: limit name", max_chars=MAX_ID_CHARS)
+        if name not in names:
+            names.append(name)
+    if len(names) > MAX_LIMITS_PER_TASK:
+        raise BadInput(f"{what}: {len(names)} limits; a task may name at most "
+                       f"{MAX_LIMITS_PER_TASK}")
+    return tuple(names) or None
+
+
+def check_tokens(value: Any, what: str = "tokens") -> int:
+    """A token count (an estimate, a report): a whole number, 0 or more."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadInput(f"{what} must be a whole number of tokens, got {value!r}")
+    if not 0 <= value <= MAX_TOKENS:
+        raise BadInput(f"{what} must be between 0 and {MAX_TOKENS}, got {value}")
+    return value
 
 
 def parse_jsonl(lines: Iterable[str], source: str = "input", *,

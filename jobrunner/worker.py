@@ -72,6 +72,7 @@ class WorkerConfig:
     heartbeat_interval: float | None = None  # default: visibility_timeout / 3
     backoff_base: float = 1.0
     backoff_cap: float = 3600.0
+    max_throttles: int = 20  # rate-limited answers (RateLimited, exit 76) before dead
     exit_when_drained: bool = False
     idle_poll: tuple[float, float] = (0.2, 0.5)
     expire_interval: float = 1.0
@@ -100,6 +101,7 @@ class WorkerConfig:
             (self.backoff_base > 0 and self.backoff_cap >= self.backoff_base,
              "backoff base must be > 0 and the cap at least the base"),
             (self.grace_period >= 0, "grace period must not be negative"),
+            (1 <= self.max_throttles <= 10000, "max throttles must be between 1 and 10000"),
         ]
         for ok, message in checks:
             if not ok:
@@ -107,7 +109,8 @@ class WorkerConfig:
 
     @property
     def timing(self) -> Timing:
-        return Timing(self.visibility_timeout, self.backoff_base, self.backoff_cap)
+        return Timing(self.visibility_timeout, self.backoff_base, self.backoff_cap,
+                      self.max_throttles)
 
 
 class Worker:

@@ -46,7 +46,8 @@ class WorkerState:
         self.active = 0
         self.unacked: list[Outcome] = []
         self.unacked_since = 0.0  # when the oldest of `unacked` finished (monotonic)
-        self.stats = {"claimed": 0, "done": 0, "failed": 0, "lost": 0, "released": 0}
+        self.stats = {"claimed": 0, "done": 0, "failed": 0, "lost": 0, "released": 0,
+                      "throttled": 0}
         self.stopping = threading.Event()  # first stop signal: claim nothing more
         self.force_stop = threading.Event()  # give back running tasks now; threads end
         self.closing = threading.Event()  # shutdown has begun: handler threads stop chaining

@@ -22,14 +22,17 @@ RETURNING tenant_id, cancelled_at;
 
 -- name: enqueue_stage_table
 CREATE TEMP TABLE jobrunner_enqueue_stage (
-    task_key text NOT NULL, shard_key text, payload jsonb NOT NULL, max_attempts int NOT NULL
+    task_key text NOT NULL, shard_key text, payload jsonb NOT NULL, max_attempts int NOT NULL,
+    limits text[], tokens bigint
 ) ON COMMIT DROP;
 
 -- name: enqueue_from_stage
 -- Idempotent on (batch_id, task_key): rows that already exist are left untouched.
 WITH inserted AS (
-    INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, shard_key, payload, max_attempts)
-    SELECT %(batch_id)s, %(tenant_id)s, s.task_key, s.shard_key, s.payload, s.max_attempts
+    INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, shard_key, payload, max_attempts,
+                                  limits, tokens)
+    SELECT %(batch_id)s, %(tenant_id)s, s.task_key, s.shard_key, s.payload, s.max_attempts,
+           s.limits, s.tokens
     FROM jobrunner_enqueue_stage s
     ORDER BY s.task_key
     ON CONFLICT (batch_id, task_key) DO NOTHING
@@ -56,23 +59,48 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 --
 -- Ack: fenced on (id, lease_owner, attempt): a worker whose lease was lost gets no row
 -- back and changes nothing, so it can never overwrite a newer attempt. The task's shard
--- lease is released in the same statement. An acked row that another transaction holds
--- locked at this moment is not waited for: it comes back as 'busy' and the worker sends
--- its ack again with its next statement. Who holds it: almost always a claimer whose
--- snapshot predates our claim's commit: its SKIP LOCKED scan still saw the row as
--- pending, locked the newest version and only then found it leased, and keeps that
--- lock until it commits. Waiting for that commit (and its WAL flush) cost a quarter of
--- the statement time at 4 workers; otherwise the expirer (then the next try finds the
--- lease lost).
+-- lease and concurrency slots are released in the same statement. An acked row that
+-- another transaction holds locked at this moment is not waited for: it comes back as
+-- 'busy' and the worker sends its ack again with its next statement. Who holds it:
+-- almost always a claimer whose snapshot predates our claim's commit: its SKIP LOCKED
+-- scan still saw the row as pending, locked the newest version and only then found it
+-- leased, and keeps that lock until it commits. Waiting for that commit (and its WAL
+-- flush) cost a quarter of the statement time at 4 workers; otherwise the expirer (then
+-- the next try finds the lease lost).
 --
 -- Claim: pick ready rows with FOR UPDATE SKIP LOCKED (rows other claimers hold are
--- skipped, never waited on), take the shard lease of at most one task per shard (the
--- primary key of agent_shard_lease serialises concurrent claimers of the same shard:
--- the loser's INSERT sees the conflict and the task is simply not chosen), then mark
--- the chosen rows leased. The CTE form matters: an `UPDATE ... WHERE id IN (SELECT ...
--- LIMIT n)` may be re-evaluated by the planner and claim more than n rows. The NOT
--- EXISTS is only a pre-filter that keeps rows of busy shards out of the LIMIT;
--- correctness comes from the INSERT.
+-- skipped, never waited on), check the flow-control limits of those that name any
+-- (below), take the shard lease of at most one task per shard (the primary key of
+-- agent_shard_lease serialises concurrent claimers of the same shard: the loser's
+-- INSERT sees the conflict and the task is simply not chosen), then mark the chosen
+-- rows leased and charge their limits. The CTE form matters: an `UPDATE ... WHERE id IN
+-- (SELECT ... LIMIT n)` may be re-evaluated by the planner and claim more than n rows.
+-- The NOT EXISTS filters are only pre-filters that keep rows of busy shards and visibly
+-- full limits out of the LIMIT; correctness comes from the INSERT and the limit locks.
+--
+-- Limits (docs/flow-control.md): the rows of the limits the candidates name are locked
+-- (FOR NO KEY UPDATE, waiting, in name order) and read in their newest version, so
+-- claims of tasks that share a limit take turns on it for the instant between the lock
+-- and their commit; claims of tasks without limits never touch those rows. The clock
+-- of the admission is read after every lock is held, so one limit's admissions happen
+-- in lock order on increasing database time. A task is admitted when, for each of its
+-- limits, counting the candidates before it under that limit (in id order): the limit
+-- is not blocked, request_tat + (requests before it) * per/requests <= clock and at most
+-- `requests` in the group (GCRA without burst between claims: a group of n in one claim
+-- is admitted only if the limit was idle for n-1 intervals; either way every window of
+-- `per` seconds holds at most `requests`), the same for tokens with the token estimates
+-- (at most `tokens` before it in the group), and the live leases plus those before it
+-- stay under max_concurrent. Live leases: the agent_limit_lease rows this snapshot sees plus
+-- every slot taken since it was taken (`acquired` now minus `acquired` in the
+-- snapshot), so a claim that waited for the lock cannot miss a slot taken meanwhile. A
+-- task may be admitted and then lose its shard race: its limits are then charged only
+-- for the tasks finally chosen. Every limit lock is taken before any shard lease is
+-- inserted (one_per_shard reads limit_ok through an InitPlan, which runs before its
+-- first row), and ack, fail and expire never wait on a limit row, so the waits on limit
+-- rows (in name order) and on shard keys (in key order) never form a cycle.
+--
+-- Budget: a batch whose agent_batch_usage row shows its tokens or cost at or over the
+-- budget claims nothing (one index probe; no row, no budget).
 --
 -- Scan position: the pending index keeps an entry for every row claimed since the last
 -- vacuum (the entry of its old, pending version), and every scan from the start of the
@@ -80,15 +108,19 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 -- third more server CPU, and it grows with the batch. So a worker starts its scan just
 -- after the (run_after, id) of its previous claim; it scans from the start again at
 -- least every second and after any claim that came back short, so a task passed over
--- (its shard was busy, or another worker held its row) waits at most about a second
--- longer. Every other way a row becomes pending again (retry, expiry, release,
--- requeue) gives it run_after = now(), past every worker's position.
+-- (its shard was busy, its limit full, or another worker held its row) waits at most
+-- about a second longer. Every other way a row becomes pending again (retry, expiry,
+-- release, requeue) gives it run_after = now() (a throttled task: its retry-after),
+-- past every worker's position.
 --
 -- The halves touch disjoint rows (acked rows are leased, candidates pending). All CTEs
 -- read one snapshot, so a shard this ack releases still looks busy to this claim's
 -- pre-filter: its next task goes to the next claim (this worker's or another's).
--- Rows come back tagged: 'acked', 'busy' (ack again later) or 'leased' (a new lease);
--- an id that is neither acked nor busy is a lost lease.
+-- Rows come back tagged: 'acked', 'busy' (ack again later), 'leased' (a new lease) or,
+-- when nothing was claimed and some limit is waiting for its next slot of time, one
+-- 'wait' row whose locked_until is that time and run_after the database clock now (the
+-- worker sleeps until then rather than a whole poll interval); an id that is neither
+-- acked nor busy is a lost lease.
 WITH lockable AS (
     SELECT l.id FROM agent_work_queue l
     WHERE l.id = ANY(%(ids)s::bigint[])
@@ -108,14 +140,19 @@ acked AS (
       AND q.attempts = (%(attempts)s::int[])[array_position(%(ids)s::bigint[], q.id)]
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
-    RETURNING q.id, q.tenant_id, q.shard_key
+    RETURNING q.id, q.tenant_id, q.shard_key, q.limits
 ),
 released AS (
     DELETE FROM agent_shard_lease s USING acked
     WHERE (s.tenant_id, s.shard_key, s.task_id) = (acked.tenant_id, acked.shard_key, acked.id)
 ),
+slots_freed AS (
+    DELETE FROM agent_limit_lease s USING acked
+    WHERE acked.limits IS NOT NULL
+      AND s.limit_name = ANY(acked.limits) AND s.task_id = acked.id
+),
 candidates AS (
-    SELECT q.id, q.tenant_id, coalesce(q.shard_key, '') AS shard_key
+    SELECT q.id, q.tenant_id, coalesce(q.shard_key, '') AS shard_key, q.limits, q.tokens
     FROM agent_work_queue q
     WHERE q.batch_id = %(batch_id)s
       AND q.status = 'pending'
@@ -126,14 +163,77 @@ candidates AS (
       AND NOT EXISTS (
           SELECT 1 FROM agent_shard_lease s
           WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
+      -- Limits that exist and are not visibly full (blocked, or their next request or
+      -- token not due yet); the check that counts is limit_check, under the locks.
+      AND (q.limits IS NULL OR cardinality(q.limits) = (
+          SELECT count(*) FROM agent_limit l
+          WHERE l.name = ANY(q.limits)
+            AND (l.blocked_until IS NULL OR l.blocked_until <= now())
+            AND (l.requests IS NULL OR l.request_tat <= now())
+            AND (l.tokens IS NULL OR l.token_tat <= now())))
+      AND NOT EXISTS (
+          SELECT 1 FROM agent_batch_usage b
+          WHERE b.batch_id = %(batch_id)s
+            AND (b.tokens >= b.budget_tokens OR b.cost >= b.budget_cost))
     ORDER BY q.run_after, q.id
     LIMIT %(limit)s
     FOR UPDATE OF q SKIP LOCKED
 ),
+wanted AS MATERIALIZED (
+    -- (candidate, limit it names): empty when no candidate names a limit
+    SELECT c.id, w.name, coalesce(c.tokens, 0) AS tokens
+    FROM candidates c, unnest(c.limits) AS w(name)
+    WHERE c.limits IS NOT NULL
+),
+limit_rows AS MATERIALIZED (
+    -- newest versions, locked until commit, in name order (primary key order)
+    SELECT l.name, l.requests, l.tokens, l.per_seconds, l.max_concurrent, l.blocked_until,
+           l.request_tat, l.token_tat, l.acquired
+    FROM agent_limit l
+    WHERE l.name = ANY(ARRAY(SELECT name FROM wanted))
+    ORDER BY l.name
+    FOR NO KEY UPDATE OF l
+),
+limit_clock AS MATERIALIZED (
+    -- read once every lock above is held (the aggregate consumes limit_rows first)
+    SELECT clock_timestamp() AS t, count(*) AS n FROM limit_rows
+),
+limit_live AS MATERIALIZED (
+    -- live leases of each limit with max_concurrent (see "Live leases" above)
+    SELECT k.name,
+           (SELECT count(*) FROM agent_limit_lease s WHERE s.limit_name = k.name)
+           + k.acquired
+           - coalesce((SELECT a.acquired FROM agent_limit a WHERE a.name = k.name), 0) AS live
+    FROM limit_rows k
+    WHERE k.max_concurrent IS NOT NULL
+),
+limit_check AS (
+    SELECT w.id,
+           k.name IS NOT NULL
+           AND (k.blocked_until IS NULL OR k.blocked_until <= c.t)
+           AND (k.requests IS NULL OR (w.rank <= k.requests AND k.request_tat
+                + make_interval(secs => (w.rank - 1) * k.per_seconds / k.requests) <= c.t))
+           AND (k.tokens IS NULL OR (w.tokens_before <= k.tokens AND k.token_tat
+                + make_interval(secs => w.tokens_before * k.per_seconds / k.tokens) <= c.t))
+           AND (k.max_concurrent IS NULL OR v.live + w.rank <= k.max_concurrent) AS ok
+    FROM (SELECT id, name,
+                 row_number() OVER (PARTITION BY name ORDER BY id) AS rank,
+                 coalesce(sum(tokens) OVER (PARTITION BY name ORDER BY id
+                          ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS tokens_before
+          FROM wanted) w
+    CROSS JOIN limit_clock c
+    LEFT JOIN limit_rows k ON k.name = w.name
+    LEFT JOIN limit_live v ON v.name = w.name
+),
+limit_ok AS (
+    SELECT id FROM candidates WHERE limits IS NULL
+    UNION ALL
+    SELECT id FROM limit_check GROUP BY id HAVING bool_and(ok)
+),
 one_per_shard AS (
     SELECT DISTINCT ON (tenant_id, shard_key) id, tenant_id, shard_key
     FROM candidates
-    WHERE shard_key <> ''
+    WHERE shard_key <> '' AND id = ANY(ARRAY(SELECT id FROM limit_ok))
     ORDER BY tenant_id, shard_key, id
 ),
 shard_leases AS (
@@ -145,9 +245,33 @@ shard_leases AS (
     RETURNING task_id
 ),
 chosen AS (
-    SELECT id FROM candidates WHERE shard_key = ''
+    SELECT id FROM candidates WHERE shard_key = '' AND id = ANY(ARRAY(SELECT id FROM limit_ok))
     UNION ALL
     SELECT task_id FROM shard_leases
+),
+granted AS MATERIALIZED (
+    -- (chosen task, limit): what is charged
+    SELECT w.id, w.name, w.tokens FROM wanted w
+    WHERE w.id = ANY(ARRAY(SELECT id FROM chosen))
+),
+charged AS (
+    UPDATE agent_limit l
+    SET request_tat = CASE WHEN l.requests IS NULL THEN l.request_tat
+                           ELSE greatest(l.request_tat, c.t)
+                                + make_interval(secs => g.n * l.per_seconds / l.requests) END,
+        token_tat = CASE WHEN l.tokens IS NULL THEN l.token_tat
+                         ELSE greatest(l.token_tat, c.t)
+                              + make_interval(secs => g.tokens * l.per_seconds / l.tokens) END,
+        acquired = l.acquired + CASE WHEN l.max_concurrent IS NULL THEN 0 ELSE g.n END
+    FROM (SELECT name, count(*) AS n, sum(tokens) AS tokens FROM granted GROUP BY name) g,
+         limit_clock c
+    WHERE l.name = g.name
+),
+slot_leases AS (
+    INSERT INTO agent_limit_lease (limit_name, task_id)
+    SELECT g.name, g.id FROM granted g JOIN limit_rows k ON k.name = g.name
+    WHERE k.max_concurrent IS NOT NULL
+    ON CONFLICT DO NOTHING
 ),
 claimed AS (
     UPDATE agent_work_queue q
@@ -155,16 +279,19 @@ claimed AS (
         lease_owner = %(worker_id)s,
         locked_until = now() + make_interval(secs => %(visibility_timeout)s),
         attempts = q.attempts + 1,
-        updated_at = now()
+        -- a task under limits: the database time its limits admitted it (what they count)
+        updated_at = CASE WHEN q.limits IS NULL THEN now()
+                          ELSE (SELECT t FROM limit_clock) END
     WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
               q.attempts, q.max_attempts, q.locked_until, q.run_after
 )
--- No row lock is ever waited for: acks and claims both skip locked rows, and the
--- shard-lease inserts wait only on other inserts of the same key, taken in key order;
--- so no cycle of waits, no deadlock. (An earlier version waited for busy acks; it had
--- to ack before claiming, or two workers acking rows the other had just re-checked
--- deadlocked for deadlock_timeout at 8 workers.)
+-- No row lock is ever waited for, except a limit's row by claims of tasks that name
+-- it (above): acks and claims both skip locked task rows, and the shard-lease inserts
+-- wait only on other inserts of the same key, taken in key order; so no cycle of
+-- waits, no deadlock. (An earlier version waited for busy acks; it had to ack before
+-- claiming, or two workers acking rows the other had just re-checked deadlocked for
+-- deadlock_timeout at 8 workers.)
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
        NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
        NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until,
@@ -178,7 +305,16 @@ WHERE b.id = ANY(%(ids)s::bigint[]) AND b.id <> ALL(ARRAY(SELECT id FROM lockabl
 UNION ALL
 SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts,
        max_attempts, locked_until, run_after
-FROM claimed;
+FROM claimed
+UNION ALL
+SELECT 'wait', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, h.next_at, clock_timestamp()
+FROM (SELECT min(greatest(l.blocked_until,
+                          CASE WHEN l.requests IS NOT NULL THEN l.request_tat END,
+                          CASE WHEN l.tokens IS NOT NULL THEN l.token_tat END)) AS next_at
+      FROM agent_limit l
+      WHERE l.blocked_until > now() OR l.request_tat > now() OR l.token_tat > now()) h
+WHERE %(limit)s::bigint > 0 AND h.next_at IS NOT NULL
+  AND NOT EXISTS (SELECT 1 FROM claimed);
 
 -- name: heartbeat
 -- Renews every lease this worker still holds. A lease missing from the result is lost
@@ -217,13 +353,59 @@ WITH failed AS (
       AND q.attempts = %(attempt)s
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
-    RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key
+    RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key, q.limits
 ),
 released AS (
     DELETE FROM agent_shard_lease s USING failed
     WHERE (s.tenant_id, s.shard_key, s.task_id) = (failed.tenant_id, failed.shard_key, failed.id)
+),
+slots_freed AS (
+    DELETE FROM agent_limit_lease s USING failed
+    WHERE failed.limits IS NOT NULL
+      AND s.limit_name = ANY(failed.limits) AND s.task_id = failed.id
 )
 SELECT id, status, run_after FROM failed;
+
+-- name: throttle
+-- A rate-limited answer (RateLimited, or a command's exit 76): back to pending at
+-- now() + retry_after WITHOUT using an attempt (the attempt counter goes back, as on
+-- release), counted in `throttles`; at max_throttles the task ends dead with an error
+-- that says so, so an endpoint that always answers 429 cannot keep a task forever.
+-- Fenced like fail. (The limit itself is blocked for every worker by block_limits, in
+-- its own transaction: this statement never waits on a limit row.)
+WITH throttled AS (
+    UPDATE agent_work_queue q
+    SET status = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s
+                      THEN 'dead' ELSE 'pending' END,
+        attempts = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s
+                        THEN q.attempts ELSE q.attempts - 1 END,
+        throttles = coalesce(q.throttles, 0) + 1,
+        run_after = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s THEN q.run_after
+                         ELSE now() + make_interval(secs => %(retry_after)s::float8) END,
+        finished_at = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s
+                           THEN now() END,
+        last_error = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s
+                          THEN 'rate limited ' || (coalesce(q.throttles, 0) + 1)
+                               || ' times (the bound is ' || %(max_throttles)s::int
+                               || '); giving up. Last answer: ' || %(error)s
+                          ELSE %(error)s END,
+        locked_until = NULL,
+        updated_at = now()
+    WHERE q.id = %(id)s
+      AND q.attempts = %(attempt)s
+      AND q.lease_owner = %(worker_id)s
+      AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
+    RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key, q.limits
+),
+released AS (
+    DELETE FROM agent_shard_lease s USING throttled t
+    WHERE (s.tenant_id, s.shard_key, s.task_id) = (t.tenant_id, t.shard_key, t.id)
+),
+slots_freed AS (
+    DELETE FROM agent_limit_lease s USING throttled t
+    WHERE t.limits IS NOT NULL AND s.limit_name = ANY(t.limits) AND s.task_id = t.id
+)
+SELECT id, status, run_after FROM throttled;
 
 -- name: release
 -- Graceful shutdown: give the task back without burning an attempt.
@@ -241,11 +423,15 @@ WITH released_tasks AS (
       AND q.attempts = t.attempt
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
-    RETURNING q.id, q.tenant_id, q.shard_key
+    RETURNING q.id, q.tenant_id, q.shard_key, q.limits
 ),
 released AS (
     DELETE FROM agent_shard_lease s USING released_tasks r
     WHERE (s.tenant_id, s.shard_key, s.task_id) = (r.tenant_id, r.shard_key, r.id)
+),
+slots_freed AS (
+    DELETE FROM agent_limit_lease s USING released_tasks r
+    WHERE r.limits IS NOT NULL AND s.limit_name = ANY(r.limits) AND s.task_id = r.id
 )
 SELECT id FROM released_tasks;
 
@@ -271,11 +457,16 @@ moved AS (
         locked_until = NULL,
         updated_at = now()
     WHERE q.id = ANY(ARRAY(SELECT id FROM expired))
-    RETURNING q.id, q.batch_id, q.status, q.tenant_id, q.shard_key
+    RETURNING q.id, q.batch_id, q.status, q.tenant_id, q.shard_key, q.limits
 ),
 released AS (
     DELETE FROM agent_shard_lease s USING moved
     WHERE (s.tenant_id, s.shard_key, s.task_id) = (moved.tenant_id, moved.shard_key, moved.id)
+),
+slots_freed AS (
+    -- a killed worker's concurrency slots free here, when its lease expires
+    DELETE FROM agent_limit_lease s USING moved
+    WHERE moved.limits IS NOT NULL AND s.limit_name = ANY(moved.limits) AND s.task_id = moved.id
 )
 SELECT id, batch_id, status FROM moved;
 
@@ -454,3 +645,147 @@ SELECT g.n AS count, q.task_key AS example_key,
 FROM groups g
 JOIN agent_work_queue q ON q.id = g.first_id
 ORDER BY g.n DESC, g.first_id;
+
+-- ---------------------------------------------------------------------------------
+-- Flow control (jobrunner/limits.py, docs/flow-control.md). Statements that change a
+-- limit's row lock it and nothing else a claim waits for, so they never deadlock
+-- with claims; those that lock several limit rows do so in name order.
+
+-- name: limit_upsert
+-- Create a limit, or change the given fields of one (NULL: keep the current value).
+INSERT INTO agent_limit AS l (name, requests, tokens, per_seconds, max_concurrent)
+VALUES (%(name)s, %(requests)s, %(tokens)s, coalesce(%(per_seconds)s::float8, 60),
+        %(max_concurrent)s)
+ON CONFLICT (name) DO UPDATE
+SET requests = coalesce(EXCLUDED.requests, l.requests),
+    tokens = coalesce(EXCLUDED.tokens, l.tokens),
+    per_seconds = coalesce(%(per_seconds)s::float8, l.per_seconds),
+    max_concurrent = coalesce(EXCLUDED.max_concurrent, l.max_concurrent),
+    updated_at = now()
+RETURNING (xmax = 0) AS created;
+
+-- name: limit_list
+-- Each limit with its current use: requests and tokens charged but not yet "paid off"
+-- by time (how far its GCRA clock runs ahead of now, as a share of one period's
+-- capacity), live leases, and whether it is blocked.
+SELECT l.name, l.requests, l.tokens, l.per_seconds, l.max_concurrent, l.blocked_until,
+       l.blocked_seconds,
+       greatest(extract(epoch FROM l.blocked_until - now()), 0) AS blocked_for_seconds,
+       CASE WHEN l.requests IS NOT NULL THEN least(l.requests, greatest(0,
+           extract(epoch FROM l.request_tat - now()) * l.requests / l.per_seconds)) END
+           AS requests_used,
+       CASE WHEN l.tokens IS NOT NULL THEN least(l.tokens, greatest(0,
+           extract(epoch FROM l.token_tat - now()) * l.tokens / l.per_seconds)) END
+           AS tokens_used,
+       (SELECT count(*) FROM agent_limit_lease s WHERE s.limit_name = l.name) AS in_flight,
+       l.created_at, l.updated_at
+FROM agent_limit l
+WHERE %(names)s::text[] IS NULL OR l.name = ANY(%(names)s::text[])
+ORDER BY l.name;
+
+-- name: limit_lock
+-- Inside an enqueue or a delete: the limits that exist among the names, locked so
+-- that a concurrent delete and an enqueue naming the limit cannot both succeed.
+SELECT name FROM agent_limit
+WHERE name = ANY(%(names)s::text[])
+ORDER BY name
+FOR KEY SHARE;
+
+-- name: limit_lock_for_delete
+SELECT name FROM agent_limit WHERE name = %(name)s FOR UPDATE;
+
+-- name: limit_users
+-- Unfinished tasks that name the limit (run after limit_lock_for_delete, in a new
+-- statement: its snapshot sees every enqueue that committed before the lock).
+SELECT count(*) AS n FROM agent_work_queue
+WHERE status IN ('pending', 'leased') AND limits @> ARRAY[%(name)s::text];
+
+-- name: limit_delete
+WITH gone AS (DELETE FROM agent_limit_lease WHERE limit_name = %(name)s)
+DELETE FROM agent_limit WHERE name = %(name)s RETURNING name;
+
+-- name: limit_block
+-- A rate-limited answer: no claim of a task naming these limits until now() +
+-- retry_after, for every worker (the claim reads blocked_until under the limit's lock).
+UPDATE agent_limit l
+SET blocked_seconds = l.blocked_seconds + greatest(0, extract(epoch FROM
+        now() + make_interval(secs => %(retry_after)s::float8)
+        - greatest(now(), coalesce(l.blocked_until, now())))),
+    blocked_until = greatest(coalesce(l.blocked_until, now()),
+                             now() + make_interval(secs => %(retry_after)s::float8)),
+    updated_at = now()
+WHERE l.name = ANY(%(names)s::text[])
+RETURNING l.name, l.blocked_until;
+
+-- name: task_limits
+SELECT limits, tokens, batch_id, task_key FROM agent_work_queue WHERE id = %(id)s;
+
+-- name: usage_record
+-- One report of an attempt's usage, added to its ledger row. `first` tells whether it
+-- is the attempt's first report (then it replaces the task's token estimate in the
+-- limits; later reports add to it).
+INSERT INTO agent_task_usage AS u (task_id, attempt, batch_id, task_key, tokens,
+                                   input_tokens, output_tokens, cost, reports)
+VALUES (%(id)s, %(attempt)s, %(batch_id)s, %(task_key)s, %(tokens)s, %(input_tokens)s,
+        %(output_tokens)s, %(cost)s, 1)
+ON CONFLICT (task_id, attempt) DO UPDATE
+SET tokens = u.tokens + EXCLUDED.tokens,
+    input_tokens = u.input_tokens + EXCLUDED.input_tokens,
+    output_tokens = u.output_tokens + EXCLUDED.output_tokens,
+    cost = u.cost + EXCLUDED.cost,
+    reports = u.reports + 1,
+    updated_at = now()
+RETURNING u.reports = 1 AS first;
+
+-- name: usage_settle_limits
+-- Correct the token limits by actual minus estimate: the GCRA clock moves forward
+-- (more used than estimated) or back (less) by that many tokens' worth of time.
+UPDATE agent_limit l
+SET token_tat = l.token_tat + make_interval(secs => %(correction)s::float8 * l.per_seconds
+                                                     / l.tokens),
+    updated_at = now()
+WHERE l.name = ANY(%(names)s::text[]) AND l.tokens IS NOT NULL;
+
+-- name: usage_batch_add
+INSERT INTO agent_batch_usage AS b (batch_id, tokens, input_tokens, output_tokens, cost)
+VALUES (%(batch_id)s, %(tokens)s, %(input_tokens)s, %(output_tokens)s, %(cost)s)
+ON CONFLICT (batch_id) DO UPDATE
+SET tokens = b.tokens + EXCLUDED.tokens,
+    input_tokens = b.input_tokens + EXCLUDED.input_tokens,
+    output_tokens = b.output_tokens + EXCLUDED.output_tokens,
+    cost = b.cost + EXCLUDED.cost,
+    updated_at = now();
+
+-- name: budget_set
+-- Set (or raise, or lower) a batch's budget; NULL keeps the current value. Claims see
+-- it on their next statement: raising an exhausted budget resumes the batch.
+INSERT INTO agent_batch_usage AS b (batch_id, budget_tokens, budget_cost)
+VALUES (%(batch_id)s, %(budget_tokens)s, %(budget_cost)s)
+ON CONFLICT (batch_id) DO UPDATE
+SET budget_tokens = coalesce(EXCLUDED.budget_tokens, b.budget_tokens),
+    budget_cost = coalesce(EXCLUDED.budget_cost, b.budget_cost),
+    updated_at = now();
+
+-- name: budget_clear
+UPDATE agent_batch_usage
+SET budget_tokens = CASE WHEN %(tokens)s THEN NULL ELSE budget_tokens END,
+    budget_cost = CASE WHEN %(cost)s THEN NULL ELSE budget_cost END,
+    updated_at = now()
+WHERE batch_id = %(batch_id)s;
+
+-- name: batch_usage
+-- A batch's totals and budget (one row or none), and whether the budget stops claims.
+SELECT tokens, input_tokens, output_tokens, cost, budget_tokens, budget_cost,
+       coalesce(tokens >= budget_tokens OR cost >= budget_cost, false) AS exhausted
+FROM agent_batch_usage WHERE batch_id = %(batch_id)s;
+
+-- name: usage_by_status
+-- The ledger of a batch by the current status of each task (retention may have deleted
+-- the task: 'deleted'); attempts counts ledger rows, failed and retried ones included.
+SELECT coalesce(q.status::text, 'deleted') AS status, count(DISTINCT u.task_id) AS tasks,
+       count(*) AS attempts, sum(u.tokens) AS tokens, sum(u.input_tokens) AS input_tokens,
+       sum(u.output_tokens) AS output_tokens, sum(u.cost) AS cost
+FROM agent_task_usage u LEFT JOIN agent_work_queue q ON q.id = u.task_id
+WHERE u.batch_id = %(batch_id)s
+GROUP BY 1
+ORDER BY 1;
