@@ -2,11 +2,12 @@
 
 Guarantees (docs/flow-control.md has the reasoning and the algorithm):
 - A limit (`set_limit`) caps the tasks that name it, across every worker: at most
-  `requests` claims and `tokens` estimated tokens per `per` seconds (GCRA without
-  burst, on the database clock of the claim), and at most `max_concurrent` live
-  leases. The claim statement (ack_and_claim in sql/queries.sql) checks and charges
-  them under the limit's row lock, so concurrent claims cannot overrun them; a task
-  whose limit is full is skipped (no lease held while it waits) and others proceed.
+  `requests` claims per `per` seconds in any window (GCRA, on the database clock of the
+  claim), `tokens` estimated tokens likewise (plus one task per lane), and at most
+  `max_concurrent` live leases. The claim statement (ack_and_claim in sql/queries.sql)
+  checks and charges them on a lane of the limit it holds locked, so concurrent claims
+  cannot overrun them; a task whose limit is full is skipped (no lease held while it
+  waits) and others proceed.
 - A concurrency slot is freed in the statement that moves the task out of `leased`:
   ack, fail, throttle, release and lease expiry (so a killed worker's slot frees when
   its lease expires). Cancel and dead tasks hold none.
@@ -20,8 +21,8 @@ Guarantees (docs/flow-control.md has the reasoning and the algorithm):
   reach it; raising it resumes them. Overshoot is at most what was in flight.
 
 Each function here is one short transaction of its own on the connection it is given
-(the worker's handler threads use the effects pool's connections): it locks limit rows
-only in name order and never waits on anything a claim holds while waiting for them.
+(the worker's handler threads use the effects pool's connections). One may wait for a
+claim that holds a lane to commit; a claim never waits for a lane, so no cycle of waits.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ from .validation import MAX_ID_CHARS, check_identifier, check_tokens
 MAX_RATE = 10**12
 MAX_PER_SECONDS = 7 * 86400.0
 MAX_CONCURRENT = 1_000_000
+MAX_LANES = 8
+# A lane per this many requests per second (claims of a busy limit spread over lanes
+# instead of queueing on one row; docs/flow-control.md, "Why lanes").
+REQUESTS_PER_LANE = 25.0
+SLOTS_PER_LANE = 4
 DEFAULT_PER_SECONDS = 60.0
 EXIT_RATE_LIMITED = 76  # a command handler's "rate limited" exit code
 USAGE_FILE_ENV = "JOBRUNNER_USAGE_FILE"
@@ -93,14 +99,37 @@ def set_limit(conn: psycopg.Connection, name: str, *, requests: int | None = Non
     requests, tokens, per, max_concurrent = check_limit_values(requests, tokens, per,
                                                                max_concurrent)
     with conn.transaction():
-        exists = conn.cursor().execute(query("limit_list"), {"names": [name]}).fetchone()
+        cur = conn.cursor(row_factory=dict_row)
+        exists = cur.execute(query("limit_list"), {"names": [name]}).fetchone()
         if not exists and requests is None and tokens is None and max_concurrent is None:
             raise BadInput(f"limit {name!r} does not exist yet: give at least one of "
                            "--requests, --tokens, --max-concurrent")
-        row = conn.cursor(row_factory=dict_row).execute(query("limit_upsert"), {
+        row = cur.execute(query("limit_upsert"), {
             "name": name, "requests": requests, "tokens": tokens, "per_seconds": per,
             "max_concurrent": max_concurrent}).fetchone()
+        cur.execute(query("limit_set_lanes"), {"name": name, "lanes": lanes_for(
+            row["requests"], row["tokens"], row["per_seconds"], row["max_concurrent"])})
+        carried = cur.execute(query("limit_lanes_drop"), {"name": name}).fetchone()
+        cur.execute(query("limit_lanes_make"), {"name": name, **carried})
     return bool(row["created"])
+
+
+def lanes_for(requests: int | None, tokens: int | None, per: float,
+              max_concurrent: int | None) -> int:
+    """How many lanes a limit gets: one per REQUESTS_PER_LANE requests per second (a
+    limit claimed less often than that is one row: nothing queues on it), at most
+    MAX_LANES, and never more than its requests or slots (each lane needs one). A limit
+    on tokens or slots alone gets one lane per SLOTS_PER_LANE slots, or one."""
+    if requests is not None:
+        lanes = int(requests / per / REQUESTS_PER_LANE)
+        lanes = min(lanes, requests)
+    elif max_concurrent is not None:
+        lanes = max_concurrent // SLOTS_PER_LANE
+    else:
+        lanes = 1
+    if max_concurrent is not None:
+        lanes = min(lanes, max_concurrent)
+    return max(1, min(MAX_LANES, lanes))
 
 
 @dataclass(frozen=True)
@@ -112,6 +141,7 @@ class LimitStatus:
     tokens: int | None
     per_seconds: float
     max_concurrent: int | None
+    lanes: int  # rows it is split into (docs/flow-control.md, "Why lanes")
     blocked_until: str | None  # ISO 8601, database clock
     blocked_for_seconds: float  # from now
     blocked_seconds: float  # in total, since the limit was created
@@ -132,6 +162,7 @@ def list_limits(conn: psycopg.Connection, names: Sequence[str] | None = None
     return [LimitStatus(
         name=r["name"], requests=r["requests"], tokens=r["tokens"],
         per_seconds=float(r["per_seconds"]), max_concurrent=r["max_concurrent"],
+        lanes=int(r["lanes"]),
         blocked_until=r["blocked_until"].isoformat() if r["blocked_until"] else None,
         blocked_for_seconds=float(r["blocked_for_seconds"] or 0),
         blocked_seconds=float(r["blocked_seconds"]),

@@ -78,26 +78,28 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 -- The NOT EXISTS filters are only pre-filters that keep rows of busy shards and visibly
 -- full limits out of the LIMIT; correctness comes from the INSERT and the limit locks.
 --
--- Limits (docs/flow-control.md): the rows of the limits the candidates name are locked
--- (FOR NO KEY UPDATE, waiting, in name order) and read in their newest version, so
--- claims of tasks that share a limit take turns on it for the instant between the lock
--- and their commit; claims of tasks without limits never touch those rows. The clock
--- of the admission is read after every lock is held, so one limit's admissions happen
--- in lock order on increasing database time. A task is admitted when, for each of its
--- limits, counting the candidates before it under that limit (in id order): the limit
--- is not blocked, request_tat + (requests before it) * per/requests <= clock and at most
--- `requests` in the group (GCRA without burst between claims: a group of n in one claim
--- is admitted only if the limit was idle for n-1 intervals; either way every window of
--- `per` seconds holds at most `requests`), the same for tokens with the token estimates
--- (at most `tokens` before it in the group), and the live leases plus those before it
--- stay under max_concurrent. Live leases: the agent_limit_lease rows this snapshot sees plus
--- every slot taken since it was taken (`acquired` now minus `acquired` in the
--- snapshot), so a claim that waited for the lock cannot miss a slot taken meanwhile. A
--- task may be admitted and then lose its shard race: its limits are then charged only
--- for the tasks finally chosen. Every limit lock is taken before any shard lease is
--- inserted (one_per_shard reads limit_ok through an InitPlan, which runs before its
--- first row), and ack, fail and expire never wait on a limit row, so the waits on limit
--- rows (in name order) and on shard keys (in key order) never form a cycle.
+-- Limits (docs/flow-control.md): for each limit the candidates name, the claim takes
+-- one of its lanes (agent_limit_lane, migration 0010) with FOR NO KEY UPDATE SKIP
+-- LOCKED, reading its newest version and holding it until commit; a lane another claim
+-- holds is skipped, never waited for, and when every lane of a limit is held, its tasks
+-- are not claimed this time (the 'wait' row asks the worker to come back at once).
+-- Claims of tasks without limits never touch those rows. The clock of the admission is
+-- read after the lanes are locked, so one lane's admissions happen in lock order on
+-- increasing database time. A task is admitted when, for each of its limits, counting
+-- the candidates before it under that limit (in id order): the limit is not blocked;
+-- the lane's request_tat + (requests before it) * per/requests <= clock and at most the
+-- lane's `requests` in the group (GCRA without burst between claims: a group of n in
+-- one claim is admitted only if the lane was idle for n-1 intervals; either way every
+-- window of `per` seconds holds at most the lane's share, so at most `requests` over
+-- all lanes); the same for tokens with the token estimates (at most the lane's tokens
+-- before it in the group); and the lane's live leases plus those before it stay under
+-- its slots. Live leases: the agent_limit_lease rows of the lane this snapshot sees plus
+-- every slot the lane handed out since (`acquired` now minus `acquired` in the
+-- snapshot), so a slot taken by a claim that committed after this snapshot is counted.
+-- A task may be admitted and then lose its shard race: the lanes are then charged only
+-- for the tasks finally chosen. Lane locks never wait, and shard-lease inserts wait only
+-- on each other in key order, so no cycle of waits; ack, fail and expire never touch a
+-- lane.
 --
 -- Budget: a batch whose agent_batch_usage row shows its tokens or cost at or over the
 -- budget claims nothing (one index probe; no row, no budget).
@@ -164,13 +166,18 @@ candidates AS (
           SELECT 1 FROM agent_shard_lease s
           WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
       -- Limits that exist and are not visibly full (blocked, or their next request or
-      -- token not due yet); the check that counts is limit_check, under the locks.
+      -- token not due yet); the check that counts is limit_check, under the locks. (The
+      -- clock, not now(): a claim that committed after this transaction started may have
+      -- moved a limit's TAT past now() and still leave room at this instant.)
       AND (q.limits IS NULL OR cardinality(q.limits) = (
           SELECT count(*) FROM agent_limit l
           WHERE l.name = ANY(q.limits)
-            AND (l.blocked_until IS NULL OR l.blocked_until <= now())
-            AND (l.requests IS NULL OR l.request_tat <= now())
-            AND (l.tokens IS NULL OR l.token_tat <= now())))
+            AND (l.blocked_until IS NULL OR l.blocked_until <= clock_timestamp())
+            AND EXISTS (
+                SELECT 1 FROM agent_limit_lane ln
+                WHERE ln.limit_name = l.name
+                  AND (ln.requests IS NULL OR ln.request_tat <= clock_timestamp())
+                  AND (ln.tokens IS NULL OR ln.token_tat <= clock_timestamp()))))
       AND NOT EXISTS (
           SELECT 1 FROM agent_batch_usage b
           WHERE b.batch_id = %(batch_id)s
@@ -185,36 +192,61 @@ wanted AS MATERIALIZED (
     FROM candidates c, unnest(c.limits) AS w(name)
     WHERE c.limits IS NOT NULL
 ),
-limit_rows AS MATERIALIZED (
-    -- newest versions, locked until commit, in name order (primary key order)
-    SELECT l.name, l.requests, l.tokens, l.per_seconds, l.max_concurrent, l.blocked_until,
-           l.request_tat, l.token_tat, l.acquired
-    FROM agent_limit l
+limit_conf AS MATERIALIZED (
+    -- the limits' configuration and blocks, as this snapshot sees them (not locked)
+    SELECT l.name, l.per_seconds, l.blocked_until FROM agent_limit l
     WHERE l.name = ANY(ARRAY(SELECT name FROM wanted))
-    ORDER BY l.name
-    FOR NO KEY UPDATE OF l
+),
+limit_lanes AS MATERIALIZED (
+    -- One free lane per limit, newest version, locked until commit; a lane another
+    -- claim holds is skipped, never waited for. Preferred: the lane with the earliest
+    -- TAT, then the fewest live leases.
+    SELECT ln.limit_name, ln.lane, ln.requests, ln.tokens, ln.max_concurrent,
+           ln.request_tat, ln.token_tat, ln.acquired
+    FROM limit_conf n
+    CROSS JOIN LATERAL (
+        SELECT x.limit_name, x.lane, x.requests, x.tokens, x.max_concurrent,
+               x.request_tat, x.token_tat, x.acquired
+        FROM agent_limit_lane x
+        WHERE x.limit_name = n.name
+        ORDER BY greatest(CASE WHEN x.requests IS NOT NULL THEN x.request_tat END,
+                          CASE WHEN x.tokens IS NOT NULL THEN x.token_tat END),
+                 CASE WHEN x.max_concurrent IS NOT NULL THEN
+                     (SELECT count(*) FROM agent_limit_lease s
+                      WHERE s.limit_name = x.limit_name AND s.lane = x.lane) END,
+                 x.lane
+        LIMIT 1
+        FOR NO KEY UPDATE OF x SKIP LOCKED) ln
 ),
 limit_clock AS MATERIALIZED (
-    -- read once every lock above is held (the aggregate consumes limit_rows first)
-    SELECT clock_timestamp() AS t, count(*) AS n FROM limit_rows
+    -- Read once every lane above is locked (the aggregate consumes limit_lanes first).
+    -- A claim that locked a lane commits without waiting for its WAL flush (its lane is
+    -- free again sooner; docs/flow-control.md says what a PostgreSQL crash may forget,
+    -- and why at-least-once is unchanged).
+    SELECT clock_timestamp() AS t, count(*) AS n,
+           CASE WHEN count(*) > 0 THEN set_config('synchronous_commit', 'off', true) END
+               AS async
+    FROM limit_lanes
 ),
 limit_live AS MATERIALIZED (
-    -- live leases of each limit with max_concurrent (see "Live leases" above)
-    SELECT k.name,
-           (SELECT count(*) FROM agent_limit_lease s WHERE s.limit_name = k.name)
+    -- live leases of each locked lane with slots (see "Live leases" above)
+    SELECT k.limit_name, k.lane,
+           (SELECT count(*) FROM agent_limit_lease s
+            WHERE s.limit_name = k.limit_name AND s.lane = k.lane)
            + k.acquired
-           - coalesce((SELECT a.acquired FROM agent_limit a WHERE a.name = k.name), 0) AS live
-    FROM limit_rows k
+           - coalesce((SELECT a.acquired FROM agent_limit_lane a
+                       WHERE a.limit_name = k.limit_name AND a.lane = k.lane), 0) AS live
+    FROM limit_lanes k
     WHERE k.max_concurrent IS NOT NULL
 ),
 limit_check AS (
     SELECT w.id,
-           k.name IS NOT NULL
-           AND (k.blocked_until IS NULL OR k.blocked_until <= c.t)
+           k.lane IS NOT NULL
+           AND (f.blocked_until IS NULL OR f.blocked_until <= c.t)
            AND (k.requests IS NULL OR (w.rank <= k.requests AND k.request_tat
-                + make_interval(secs => (w.rank - 1) * k.per_seconds / k.requests) <= c.t))
+                + make_interval(secs => (w.rank - 1) * f.per_seconds / k.requests) <= c.t))
            AND (k.tokens IS NULL OR (w.tokens_before <= k.tokens AND k.token_tat
-                + make_interval(secs => w.tokens_before * k.per_seconds / k.tokens) <= c.t))
+                + make_interval(secs => w.tokens_before * f.per_seconds / k.tokens) <= c.t))
            AND (k.max_concurrent IS NULL OR v.live + w.rank <= k.max_concurrent) AS ok
     FROM (SELECT id, name,
                  row_number() OVER (PARTITION BY name ORDER BY id) AS rank,
@@ -222,8 +254,9 @@ limit_check AS (
                           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS tokens_before
           FROM wanted) w
     CROSS JOIN limit_clock c
-    LEFT JOIN limit_rows k ON k.name = w.name
-    LEFT JOIN limit_live v ON v.name = w.name
+    LEFT JOIN limit_conf f ON f.name = w.name
+    LEFT JOIN limit_lanes k ON k.limit_name = w.name
+    LEFT JOIN limit_live v ON v.limit_name = w.name
 ),
 limit_ok AS (
     SELECT id FROM candidates WHERE limits IS NULL
@@ -255,21 +288,23 @@ granted AS MATERIALIZED (
     WHERE w.id = ANY(ARRAY(SELECT id FROM chosen))
 ),
 charged AS (
-    UPDATE agent_limit l
+    UPDATE agent_limit_lane l
     SET request_tat = CASE WHEN l.requests IS NULL THEN l.request_tat
                            ELSE greatest(l.request_tat, c.t)
-                                + make_interval(secs => g.n * l.per_seconds / l.requests) END,
+                                + make_interval(secs => g.n * f.per_seconds / l.requests) END,
         token_tat = CASE WHEN l.tokens IS NULL THEN l.token_tat
                          ELSE greatest(l.token_tat, c.t)
-                              + make_interval(secs => g.tokens * l.per_seconds / l.tokens) END,
+                              + make_interval(secs => g.tokens * f.per_seconds / l.tokens) END,
         acquired = l.acquired + CASE WHEN l.max_concurrent IS NULL THEN 0 ELSE g.n END
-    FROM (SELECT name, count(*) AS n, sum(tokens) AS tokens FROM granted GROUP BY name) g,
-         limit_clock c
-    WHERE l.name = g.name
+    FROM (SELECT name, count(*) AS n, sum(tokens) AS tokens FROM granted GROUP BY name) g
+    JOIN limit_lanes k ON k.limit_name = g.name
+    JOIN limit_conf f ON f.name = g.name
+    CROSS JOIN limit_clock c
+    WHERE (l.limit_name, l.lane) = (k.limit_name, k.lane)
 ),
 slot_leases AS (
-    INSERT INTO agent_limit_lease (limit_name, task_id)
-    SELECT g.name, g.id FROM granted g JOIN limit_rows k ON k.name = g.name
+    INSERT INTO agent_limit_lease (limit_name, task_id, lane)
+    SELECT g.name, g.id, k.lane FROM granted g JOIN limit_lanes k ON k.limit_name = g.name
     WHERE k.max_concurrent IS NOT NULL
     ON CONFLICT DO NOTHING
 ),
@@ -286,10 +321,9 @@ claimed AS (
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
               q.attempts, q.max_attempts, q.locked_until, q.run_after
 )
--- No row lock is ever waited for, except a limit's row by claims of tasks that name
--- it (above): acks and claims both skip locked task rows, and the shard-lease inserts
--- wait only on other inserts of the same key, taken in key order; so no cycle of
--- waits, no deadlock. (An earlier version waited for busy acks; it had to ack before
+-- No row lock is ever waited for: acks and claims both skip locked task rows and
+-- limit lanes, and the shard-lease inserts wait only on other inserts of the same key,
+-- taken in key order; so no cycle of waits, no deadlock. (An earlier version waited for busy acks; it had to ack before
 -- claiming, or two workers acking rows the other had just re-checked deadlocked for
 -- deadlock_timeout at 8 workers.)
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
@@ -308,11 +342,15 @@ SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts
 FROM claimed
 UNION ALL
 SELECT 'wait', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, h.next_at, clock_timestamp()
-FROM (SELECT min(greatest(l.blocked_until,
-                          CASE WHEN l.requests IS NOT NULL THEN l.request_tat END,
-                          CASE WHEN l.tokens IS NOT NULL THEN l.token_tat END)) AS next_at
-      FROM agent_limit l
-      WHERE l.blocked_until > now() OR l.request_tat > now() OR l.token_tat > now()) h
+FROM (SELECT CASE WHEN EXISTS (SELECT 1 FROM limit_conf f WHERE f.name NOT IN (
+                                   SELECT limit_name FROM limit_lanes))
+                  THEN clock_timestamp()  -- every lane of a limit was busy: try again now
+                  ELSE min(greatest(l.blocked_until,
+                                    CASE WHEN ln.requests IS NOT NULL THEN ln.request_tat END,
+                                    CASE WHEN ln.tokens IS NOT NULL THEN ln.token_tat END))
+             END AS next_at
+      FROM agent_limit l JOIN agent_limit_lane ln ON ln.limit_name = l.name
+      WHERE l.blocked_until > now() OR ln.request_tat > now() OR ln.token_tat > now()) h
 WHERE %(limit)s::bigint > 0 AND h.next_at IS NOT NULL
   AND NOT EXISTS (SELECT 1 FROM claimed);
 
@@ -647,12 +685,13 @@ JOIN agent_work_queue q ON q.id = g.first_id
 ORDER BY g.n DESC, g.first_id;
 
 -- ---------------------------------------------------------------------------------
--- Flow control (jobrunner/limits.py, docs/flow-control.md). Statements that change a
--- limit's row lock it and nothing else a claim waits for, so they never deadlock
--- with claims; those that lock several limit rows do so in name order.
+-- Flow control (jobrunner/limits.py, docs/flow-control.md). A claim never waits for a
+-- limit's lane (SKIP LOCKED), so the statements here, which may wait for a claim to
+-- commit, can never be part of a cycle of waits with one.
 
 -- name: limit_upsert
 -- Create a limit, or change the given fields of one (NULL: keep the current value).
+-- Then limit_lanes_drop and limit_lanes_make (same transaction) split it into lanes.
 INSERT INTO agent_limit AS l (name, requests, tokens, per_seconds, max_concurrent)
 VALUES (%(name)s, %(requests)s, %(tokens)s, coalesce(%(per_seconds)s::float8, 60),
         %(max_concurrent)s)
@@ -662,21 +701,55 @@ SET requests = coalesce(EXCLUDED.requests, l.requests),
     per_seconds = coalesce(%(per_seconds)s::float8, l.per_seconds),
     max_concurrent = coalesce(EXCLUDED.max_concurrent, l.max_concurrent),
     updated_at = now()
-RETURNING (xmax = 0) AS created;
+RETURNING (xmax = 0) AS created, requests, tokens, per_seconds, max_concurrent;
+
+-- name: limit_set_lanes
+UPDATE agent_limit SET lanes = %(lanes)s WHERE name = %(name)s;
+
+-- name: limit_lanes_drop
+-- The old lanes (waiting for claims that hold one); returns the state to carry over:
+-- the latest TATs (so a re-split never hands out time already charged).
+WITH gone AS (DELETE FROM agent_limit_lane WHERE limit_name = %(name)s
+              RETURNING request_tat, token_tat)
+SELECT coalesce(max(request_tat), '-infinity')::text AS request_tat,  -- (text: Python
+       coalesce(max(token_tat), '-infinity')::text AS token_tat       -- has no -infinity)
+FROM gone;
+
+-- name: limit_lanes_make
+-- lanes rows: lane j gets requests/lanes and max_concurrent/lanes (the remainder to the
+-- first lanes), tokens/lanes; live leases move to lane (their lane mod lanes).
+WITH made AS (
+    INSERT INTO agent_limit_lane (limit_name, lane, requests, tokens, max_concurrent,
+                                  request_tat, token_tat)
+    SELECT l.name, j,
+           CASE WHEN l.requests IS NOT NULL
+                THEN l.requests / l.lanes + (j < l.requests %% l.lanes)::int END,
+           CASE WHEN l.tokens IS NOT NULL THEN l.tokens::float8 / l.lanes END,
+           CASE WHEN l.max_concurrent IS NOT NULL
+                THEN l.max_concurrent / l.lanes + (j < l.max_concurrent %% l.lanes)::int END,
+           %(request_tat)s::timestamptz, %(token_tat)s::timestamptz
+    FROM agent_limit l, generate_series(0, l.lanes - 1) AS j
+    WHERE l.name = %(name)s
+)
+UPDATE agent_limit_lease s SET lane = s.lane %% l.lanes
+FROM agent_limit l
+WHERE s.limit_name = %(name)s AND l.name = %(name)s;
 
 -- name: limit_list
 -- Each limit with its current use: requests and tokens charged but not yet "paid off"
--- by time (how far its GCRA clock runs ahead of now, as a share of one period's
--- capacity), live leases, and whether it is blocked.
-SELECT l.name, l.requests, l.tokens, l.per_seconds, l.max_concurrent, l.blocked_until,
-       l.blocked_seconds,
+-- by time (how far its lanes' GCRA clocks run ahead of now, in the limit's units of one
+-- period), live leases, and how long it stays blocked.
+SELECT l.name, l.requests, l.tokens, l.per_seconds, l.max_concurrent, l.lanes,
+       l.blocked_until, l.blocked_seconds,
        greatest(extract(epoch FROM l.blocked_until - now()), 0) AS blocked_for_seconds,
-       CASE WHEN l.requests IS NOT NULL THEN least(l.requests, greatest(0,
-           extract(epoch FROM l.request_tat - now()) * l.requests / l.per_seconds)) END
-           AS requests_used,
-       CASE WHEN l.tokens IS NOT NULL THEN least(l.tokens, greatest(0,
-           extract(epoch FROM l.token_tat - now()) * l.tokens / l.per_seconds)) END
-           AS tokens_used,
+       CASE WHEN l.requests IS NOT NULL THEN (
+           SELECT sum(least(ln.requests, greatest(0,
+                      extract(epoch FROM ln.request_tat - now()) * ln.requests / l.per_seconds)))
+           FROM agent_limit_lane ln WHERE ln.limit_name = l.name) END AS requests_used,
+       CASE WHEN l.tokens IS NOT NULL THEN (
+           SELECT sum(least(ln.tokens, greatest(0,
+                      extract(epoch FROM ln.token_tat - now()) * ln.tokens / l.per_seconds)))
+           FROM agent_limit_lane ln WHERE ln.limit_name = l.name) END AS tokens_used,
        (SELECT count(*) FROM agent_limit_lease s WHERE s.limit_name = l.name) AS in_flight,
        l.created_at, l.updated_at
 FROM agent_limit l
@@ -701,7 +774,8 @@ SELECT count(*) AS n FROM agent_work_queue
 WHERE status IN ('pending', 'leased') AND limits @> ARRAY[%(name)s::text];
 
 -- name: limit_delete
-WITH gone AS (DELETE FROM agent_limit_lease WHERE limit_name = %(name)s)
+WITH gone AS (DELETE FROM agent_limit_lease WHERE limit_name = %(name)s),
+lanes AS (DELETE FROM agent_limit_lane WHERE limit_name = %(name)s)
 DELETE FROM agent_limit WHERE name = %(name)s RETURNING name;
 
 -- name: limit_block
@@ -738,13 +812,16 @@ SET tokens = u.tokens + EXCLUDED.tokens,
 RETURNING u.reports = 1 AS first;
 
 -- name: usage_settle_limits
--- Correct the token limits by actual minus estimate: the GCRA clock moves forward
--- (more used than estimated) or back (less) by that many tokens' worth of time.
-UPDATE agent_limit l
-SET token_tat = l.token_tat + make_interval(secs => %(correction)s::float8 * l.per_seconds
-                                                     / l.tokens),
-    updated_at = now()
-WHERE l.name = ANY(%(names)s::text[]) AND l.tokens IS NOT NULL;
+-- Correct the token limits by actual minus estimate: every lane's GCRA clock moves
+-- forward (more used than estimated) or back (less) by that many tokens' worth of the
+-- limit's time, which is the correction in tokens over all its lanes together. Lanes
+-- are locked in key order (waiting for claims that hold one, which never wait for us).
+UPDATE agent_limit_lane ln
+SET token_tat = ln.token_tat + make_interval(secs => %(correction)s::float8 * l.per_seconds
+                                                       / l.tokens)
+FROM agent_limit l
+WHERE l.name = ANY(%(names)s::text[]) AND l.tokens IS NOT NULL
+  AND ln.limit_name = l.name;
 
 -- name: usage_batch_add
 INSERT INTO agent_batch_usage AS b (batch_id, tokens, input_tokens, output_tokens, cost)

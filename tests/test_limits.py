@@ -364,7 +364,7 @@ def test_a_group_claim_is_admitted_only_if_it_fits_the_window(conn):
     assert len(q.claim("grp", "w1", limit=30)) == 10
     assert q.claim("grp", "w1", limit=30) == []
     # Idle for n - 1 intervals: a group of n fits (here 5 intervals: 6 tasks).
-    conn.execute("UPDATE agent_limit SET request_tat = now() - interval '30 min'")
+    conn.execute("UPDATE agent_limit_lane SET request_tat = now() - interval '30 min'")
     conn.commit()
     assert len(q.claim("grp", "w1", limit=30)) == 6
 

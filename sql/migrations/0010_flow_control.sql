@@ -2,41 +2,59 @@
 -- requests and tokens per period and on concurrent leases, checked and charged in the
 -- claim statement itself; a usage ledger per attempt; budgets per batch.
 --
--- A limit is one row. Its rate state is a GCRA "theoretical arrival time" per
--- dimension (request_tat, token_tat): the earliest database time at which the next
--- request (or token) conforms. A claim locks the rows of the limits its candidates
--- name, admits a task when every limit has room, and moves the TATs forward in the
--- same statement; claims of tasks that name no limit never touch this table.
--- Concurrency is counted by rows in agent_limit_lease (one per live lease of a task
--- under a limit with max_concurrent); `acquired` counts the rows ever inserted, so a
--- claim that waited for the limit's lock also counts the leases taken by claims that
--- committed after its snapshot (see ack_and_claim in sql/queries.sql).
+-- A limit is one row of configuration (agent_limit) and 1 to 8 lanes
+-- (agent_limit_lane), each holding an integer share of its requests and slots and an
+-- equal share of its tokens, with its own state: a GCRA "theoretical arrival time" per
+-- rate (request_tat, token_tat: the earliest database time at which the lane's next
+-- request or token conforms) and `acquired`, the slots it ever handed out. A claim
+-- takes one free lane of each limit its candidates name (FOR NO KEY UPDATE SKIP
+-- LOCKED: claims never wait for each other on a limit), admits a task only if that lane
+-- has room, and charges it in the same statement. Each lane is exact, so their sum is:
+-- never more requests or live leases than the limit. Claims of tasks that name no
+-- limit never touch these tables. Lanes exist so that a busy limit is not one row that
+-- every claim queues on (docs/flow-control.md, "Why lanes").
 CREATE TABLE agent_limit (
     name            text PRIMARY KEY,
     requests        bigint CHECK (requests > 0),          -- per per_seconds
     tokens          bigint CHECK (tokens > 0),            -- per per_seconds
     per_seconds     float8 NOT NULL DEFAULT 60 CHECK (per_seconds > 0),
     max_concurrent  int CHECK (max_concurrent > 0),       -- live leases at once
+    lanes           int NOT NULL DEFAULT 1 CHECK (lanes BETWEEN 1 AND 64),
     blocked_until   timestamptz,                          -- set by a rate-limited answer
-    request_tat     timestamptz NOT NULL DEFAULT '-infinity',
-    token_tat       timestamptz NOT NULL DEFAULT '-infinity',
-    acquired        bigint NOT NULL DEFAULT 0,
     blocked_seconds float8 NOT NULL DEFAULT 0,            -- total time blocked, for metrics
     created_at      timestamptz NOT NULL DEFAULT now(),
     updated_at      timestamptz NOT NULL DEFAULT now(),
     CHECK (requests IS NOT NULL OR tokens IS NOT NULL OR max_concurrent IS NOT NULL)
 );
 
--- One row per live lease of a task under a limit with max_concurrent. Inserted by the
--- claim, deleted in the same statement that moves the task out of `leased` (ack, fail,
--- throttle, release, expire), like agent_shard_lease: only the lease holder (or the
--- expirer, after it) deletes a row, so deleting never waits.
+CREATE TABLE agent_limit_lane (
+    limit_name     text        NOT NULL,
+    lane           int         NOT NULL,
+    requests       bigint,                 -- this lane's share (NULL: no request rate)
+    tokens         float8,                 -- this lane's share (NULL: no token rate)
+    max_concurrent int,                    -- this lane's share (NULL: no slot limit)
+    request_tat    timestamptz NOT NULL DEFAULT '-infinity',
+    token_tat      timestamptz NOT NULL DEFAULT '-infinity',
+    acquired       bigint      NOT NULL DEFAULT 0,
+    PRIMARY KEY (limit_name, lane)
+);
+
+-- One row per live lease of a task under a limit with max_concurrent, with the lane
+-- whose slot it holds. Inserted by the claim, deleted in the same statement that moves
+-- the task out of `leased` (ack, fail, throttle, release, expire), like
+-- agent_shard_lease: only the lease holder (or the expirer, after it) deletes a row, so
+-- deleting never waits.
 CREATE TABLE agent_limit_lease (
     limit_name text   NOT NULL,
     task_id    bigint NOT NULL,
+    lane       int    NOT NULL,
     PRIMARY KEY (limit_name, task_id)
 );
 ALTER TABLE agent_limit_lease SET (
+    autovacuum_vacuum_scale_factor = 0.0,
+    autovacuum_vacuum_threshold = 500
+);
+ALTER TABLE agent_limit_lane SET (
     autovacuum_vacuum_scale_factor = 0.0,
     autovacuum_vacuum_threshold = 500
 );
