@@ -55,7 +55,7 @@ def condition(status: dict, type_: str) -> dict | None:
 def test_kubectl_logs_and_exec_into_a_worker(k8s, namespace, dsn, operator):
     apply(k8s, namespace, batchrun("observed", {
         "tenant": "t", "workers": 1, "handler": "tests.support.handlers:record",
-        "shardRange": {"count": 4, "payload": {"sleep": 2}}, **FAST}))
+        "shardRange": {"count": 6, "payload": {"sleep": 4}}, **FAST}))
     pod = wait_for("a running worker", lambda: running_worker(k8s, namespace))["metadata"]["name"]
     batch = get(k8s, "batchrun", "observed", namespace)["status"]["batchId"]
     # `kubectl exec` through the API server and the kubelet into the container: the CLI in
@@ -63,7 +63,7 @@ def test_kubectl_logs_and_exec_into_a_worker(k8s, namespace, dsn, operator):
     out = k8s.kubectl("exec", pod, "-n", namespace, "-c", "worker", "--",
                       "jobrunner", "status", "--batch", batch, "--json").stdout
     counts = json.loads(out)
-    assert counts["total"] == 4 and counts["leased"] + counts["done"] >= 1, counts
+    assert counts["total"] == 6 and counts["leased"] + counts["done"] >= 1, counts
     whoami = k8s.kubectl("exec", pod, "-n", namespace, "--", "id", "-u").stdout.strip()
     assert whoami == "10001"
     wait_phase(k8s, "observed", namespace, ("Succeeded",), controller=operator)
@@ -248,8 +248,7 @@ def test_the_controllers_probes_are_really_probed(k8s, dsn):
         assert cs["started"] is True and cs["ready"] is True
 
         def probes() -> dict[tuple[str, str], float]:
-            text = k8s.kubectl("get", "--raw",
-                               f"/api/v1/nodes/{k8s.node.name}/proxy/metrics/probes").stdout
+            text = k8s.kubelet_get("/metrics/probes")
             out: dict[tuple[str, str], float] = {}
             for line in text.splitlines():
                 if line.startswith("prober_probe_total{") and f'pod="{name}"' in line:

@@ -100,7 +100,7 @@ def test_kill_9_of_a_worker_pod_reruns_its_task(k8s, namespace, dsn, operator):
             break
         time.sleep(0.3)
     victim = running_pods()[0]["metadata"]["name"]
-    assert k8s.kubelet.kill_pod(namespace, victim) >= 1
+    assert k8s.node.kill_pod(namespace, victim) >= 1
     status = wait_phase(k8s, "crashy", namespace, ("Succeeded", "Failed"), timeout=240,
                         controller=operator)["status"]
     assert status["phase"] == "Succeeded", status

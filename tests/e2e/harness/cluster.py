@@ -444,6 +444,13 @@ class Cluster:
             args.append("--previous")
         return self.kubectl(*args, timeout=60).stdout
 
+    def kubelet_get(self, path: str) -> str:
+        """GET from the kubelet's own HTTPS API as the admin (the API server's node proxy
+        refuses loopback addresses, so this goes straight to 127.0.0.1)."""
+        url = f"https://127.0.0.1:{self.node.kubelet_port}{path}"
+        with urllib.request.urlopen(url, timeout=10, context=self._ssl_context()) as r:
+            return r.read().decode()
+
     def in_cluster_env(self) -> list[dict]:
         """Env entries that let an in-cluster client on the host network reach the API
         server (the kubelet injects the unreachable ClusterIP 10.0.0.1 otherwise)."""
