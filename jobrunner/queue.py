@@ -106,7 +106,10 @@ _session_timeouts: weakref.WeakKeyDictionary[psycopg.Connection, str | None] = (
 _IDLE = psycopg.pq.TransactionStatus.IDLE
 _UNSET = object()
 # The statement a worker runs once per task (or per claimed batch): see jobrunner/prepared.py.
-_ACK_AND_CLAIM = PreparedStatement("jobrunner_ack_and_claim", query("ack_and_claim"))
+# A batch under flow control (its tasks name limits, or it has a budget) is claimed with
+# ack_and_claim_limited instead (docs/flow-control.md).
+_ACK_AND_CLAIM = {name: PreparedStatement(f"jobrunner_{name}", query(name))
+                  for name in ("ack_and_claim", "ack_and_claim_limited")}
 _PIPELINE = psycopg.Pipeline.is_supported()
 
 
@@ -140,6 +143,10 @@ class Queue:
         # After a claim that found nothing: seconds until a limit that is full now has
         # room again (its 'wait' row), or None. The worker sleeps no longer than that.
         self.limit_wait: float | None = None
+        # Batches known to be under flow control (claimed with ack_and_claim_limited), and
+        # when the others were last checked (batch_flow_control, at most once a second).
+        self._flow_batches: set[str] = set()
+        self._flow_checked: dict[str, float] = {}
 
     def _cursor(self, row_factory: RowFactory = tuple_row) -> psycopg.Cursor:
         # Rows of a known shape, whatever row factory the caller's connection has.
@@ -386,8 +393,10 @@ class Queue:
         after = self._scan_position(batch_id) if claiming else None
         if claiming:
             self.limit_wait = None
+        statement = ("ack_and_claim_limited" if claiming and self._flow_controlled(batch_id)
+                     else "ack_and_claim")
         if successes or claiming:
-            steps.append((query("ack_and_claim"), self._ack_and_claim_params(
+            steps.append((query(statement), self._ack_and_claim_params(
                 worker_id, successes, batch_id if claiming else None, limit, after)))
         kept, busy, leases = self._run_completion(failures, steps)
         if claiming and len(leases) < limit and any(
@@ -396,7 +405,7 @@ class Queue:
             # saw as busy: claim again so that shard's next task is not left waiting.
             again = self._ack_and_claim_params(worker_id, (), batch_id, limit - len(leases),
                                                after)
-            _, _, more = self._run_completion([], [(query("ack_and_claim"), again)])
+            _, _, more = self._run_completion([], [(query(statement), again)])
             leases = sorted(leases + more, key=lambda lease: lease.id)
         if claiming:
             self._remember_scan_position(batch_id, after, leases, limit)
@@ -404,6 +413,30 @@ class Queue:
 
     # A claim scans from the start of the batch at least this often (seconds).
     FULL_SCAN_EVERY = 1.0
+    # A batch not (yet) under flow control is checked again this often (seconds).
+    FLOW_CHECK_EVERY = 1.0
+
+    def _flow_controlled(self, batch_id: str) -> bool:
+        """Whether the batch's claims must use ack_and_claim_limited: its tasks name
+        limits, or it has a budget (a flag that is only ever set). Checked on the first
+        claim and then at most once a second: tasks with limits enqueued, or a budget
+        set, while the batch runs are taken into account within a second (until then
+        its claims skip the tasks with limits, and do not check the budget)."""
+        if batch_id in self._flow_batches:
+            return True
+        now = time.monotonic()
+        if now - self._flow_checked.get(batch_id, -self.FLOW_CHECK_EVERY) < self.FLOW_CHECK_EVERY:
+            return False
+        cursors = self._one_round_trip([(query("batch_flow_control"), {"batch_id": batch_id})])
+        if cursors is not None:
+            flow = bool(cursors[0].fetchone()[0])
+        else:
+            flow = bool(self._cursor().execute(query("batch_flow_control"),
+                                               {"batch_id": batch_id}).fetchone()[0])
+        self._flow_checked[batch_id] = now
+        if flow:
+            self._flow_batches.add(batch_id)
+        return flow
 
     def _scan_position(self, batch_id: str) -> tuple[datetime, int, float] | None:
         after = self._scan_from.get(batch_id)
@@ -424,7 +457,9 @@ class Queue:
                         ) -> tuple[set[int], set[int], list[Lease]]:
         if not failures and len(steps) == 1 and self._direct():
             # The worker's loop without failures: one prepared statement (jobrunner/prepared.py).
-            return self._completed(set(), _ACK_AND_CLAIM.execute(self.conn, steps[0][1]))
+            prepared = (_ACK_AND_CLAIM["ack_and_claim"] if steps[0][0] == query("ack_and_claim")
+                        else _ACK_AND_CLAIM["ack_and_claim_limited"])
+            return self._completed(set(), prepared.execute(self.conn, steps[0][1]))
         cursors = self._one_round_trip(steps)
         if cursors is None:
             with self._tx():

@@ -45,7 +45,10 @@ batch_tasks AS (
     -- The batch's task count (status counts derive done from it), in the same
     -- transaction as the rows; concurrent enqueues of one batch already queue up on
     -- this row (ensure_batch locked it).
-    UPDATE agent_batch SET tasks = tasks + (SELECT new FROM counted)
+    UPDATE agent_batch
+    SET tasks = tasks + (SELECT new FROM counted),
+        flow_control = flow_control
+                       OR EXISTS (SELECT 1 FROM jobrunner_enqueue_stage WHERE limits IS NOT NULL)
     WHERE batch_id = %(batch_id)s
 )
 SELECT new FROM counted;
@@ -59,24 +62,152 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 --
 -- Ack: fenced on (id, lease_owner, attempt): a worker whose lease was lost gets no row
 -- back and changes nothing, so it can never overwrite a newer attempt. The task's shard
--- lease and concurrency slots are released in the same statement. An acked row that
--- another transaction holds locked at this moment is not waited for: it comes back as
--- 'busy' and the worker sends its ack again with its next statement. Who holds it:
--- almost always a claimer whose snapshot predates our claim's commit: its SKIP LOCKED
--- scan still saw the row as pending, locked the newest version and only then found it
--- leased, and keeps that lock until it commits. Waiting for that commit (and its WAL
--- flush) cost a quarter of the statement time at 4 workers; otherwise the expirer (then
--- the next try finds the lease lost).
+-- lease is released in the same statement. An acked row that another transaction holds
+-- locked at this moment is not waited for: it comes back as 'busy' and the worker sends
+-- its ack again with its next statement. Who holds it: almost always a claimer whose
+-- snapshot predates our claim's commit: its SKIP LOCKED scan still saw the row as
+-- pending, locked the newest version and only then found it leased, and keeps that
+-- lock until it commits. Waiting for that commit (and its WAL flush) cost a quarter of
+-- the statement time at 4 workers; otherwise the expirer (then the next try finds the
+-- lease lost).
 --
 -- Claim: pick ready rows with FOR UPDATE SKIP LOCKED (rows other claimers hold are
--- skipped, never waited on), check the flow-control limits of those that name any
--- (below), take the shard lease of at most one task per shard (the primary key of
--- agent_shard_lease serialises concurrent claimers of the same shard: the loser's
--- INSERT sees the conflict and the task is simply not chosen), then mark the chosen
--- rows leased and charge their limits. The CTE form matters: an `UPDATE ... WHERE id IN
--- (SELECT ... LIMIT n)` may be re-evaluated by the planner and claim more than n rows.
--- The NOT EXISTS filters are only pre-filters that keep rows of busy shards and visibly
--- full limits out of the LIMIT; correctness comes from the INSERT and the limit locks.
+-- skipped, never waited on), take the shard lease of at most one task per shard (the
+-- primary key of agent_shard_lease serialises concurrent claimers of the same shard:
+-- the loser's INSERT sees the conflict and the task is simply not chosen), then mark
+-- the chosen rows leased. The CTE form matters: an `UPDATE ... WHERE id IN (SELECT ...
+-- LIMIT n)` may be re-evaluated by the planner and claim more than n rows. The NOT
+-- EXISTS is only a pre-filter that keeps rows of busy shards out of the LIMIT;
+-- correctness comes from the INSERT.
+--
+-- Scan position: the pending index keeps an entry for every row claimed since the last
+-- vacuum (the entry of its old, pending version), and every scan from the start of the
+-- batch steps over all of them: at 20,000 claims since the last vacuum a claim cost a
+-- third more server CPU, and it grows with the batch. So a worker starts its scan just
+-- after the (run_after, id) of its previous claim; it scans from the start again at
+-- least every second and after any claim that came back short, so a task passed over
+-- (its shard was busy, or another worker held its row) waits at most about a second
+-- longer. Every other way a row becomes pending again (retry, expiry, release,
+-- requeue) gives it run_after = now(), past every worker's position.
+--
+-- The halves touch disjoint rows (acked rows are leased, candidates pending). All CTEs
+-- read one snapshot, so a shard this ack releases still looks busy to this claim's
+-- pre-filter: its next task goes to the next claim (this worker's or another's).
+-- Rows come back tagged: 'acked', 'busy' (ack again later) or 'leased' (a new lease);
+-- an id that is neither acked nor busy is a lost lease.
+--
+-- Flow control: this statement never claims a task that names a limit, and checks no
+-- budget, so tasks without limits pay nothing for limits (even one index probe more
+-- per claim cost 10 %% of the server CPU per task at claim batch 1). A batch under flow
+-- control (its tasks name limits, or it has a budget: agent_batch.flow_control, only
+-- ever set) is claimed with ack_and_claim_limited instead: the worker reads the flag
+-- (batch_flow_control) when it starts and then once a second. Its acks release
+-- concurrency slots all the same (a task acked through it may hold one).
+WITH lockable AS (
+    SELECT l.id FROM agent_work_queue l
+    WHERE l.id = ANY(%(ids)s::bigint[])
+    FOR NO KEY UPDATE SKIP LOCKED
+),
+acked AS (
+    -- ids, attempts and results (a JSON array) are parallel arrays: each row finds its
+    -- own entries by array_position, which keeps the plan to one index scan (a join to
+    -- unnest() cost a nested loop and a function scan per execution).
+    UPDATE agent_work_queue q
+    SET status = 'done',
+        result = %(results)s::jsonb -> (array_position(%(ids)s::bigint[], q.id) - 1),
+        finished_at = now(),
+        locked_until = NULL,
+        updated_at = now()
+    WHERE q.id = ANY(ARRAY(SELECT id FROM lockable))  -- see "Plans" at the top of this file
+      AND q.attempts = (%(attempts)s::int[])[array_position(%(ids)s::bigint[], q.id)]
+      AND q.lease_owner = %(worker_id)s
+      AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
+    RETURNING q.id, q.tenant_id, q.shard_key, q.limits
+),
+released AS (
+    DELETE FROM agent_shard_lease s USING acked
+    WHERE (s.tenant_id, s.shard_key, s.task_id) = (acked.tenant_id, acked.shard_key, acked.id)
+),
+slots_freed AS (
+    DELETE FROM agent_limit_lease s USING acked
+    WHERE acked.limits IS NOT NULL
+      AND s.limit_name = ANY(acked.limits) AND s.task_id = acked.id
+),
+
+candidates AS (
+    SELECT q.id, q.tenant_id, coalesce(q.shard_key, '') AS shard_key
+    FROM agent_work_queue q
+    WHERE q.batch_id = %(batch_id)s
+      AND q.status = 'pending'
+      AND q.run_after <= now()
+      -- Where this worker's scan starts (the position after its last claim, or the
+      -- start: '-infinity', 0): see "Scan position" above.
+      AND (q.run_after, q.id) > (%(after_run_after)s::timestamptz, %(after_id)s::bigint)
+      AND NOT EXISTS (
+          SELECT 1 FROM agent_shard_lease s
+          WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
+      AND q.limits IS NULL  -- (flow control: see above)
+    ORDER BY q.run_after, q.id
+    LIMIT %(limit)s
+    FOR UPDATE OF q SKIP LOCKED
+),
+one_per_shard AS (
+    SELECT DISTINCT ON (tenant_id, shard_key) id, tenant_id, shard_key
+    FROM candidates
+    WHERE shard_key <> ''
+    ORDER BY tenant_id, shard_key, id
+),
+shard_leases AS (
+    -- Inserted in key order so that two claimers never wait on each other in a cycle.
+    INSERT INTO agent_shard_lease (tenant_id, shard_key, task_id, lease_owner)
+    SELECT tenant_id, shard_key, id, %(worker_id)s FROM one_per_shard
+    ORDER BY tenant_id, shard_key
+    ON CONFLICT DO NOTHING
+    RETURNING task_id
+),
+chosen AS (
+    SELECT id FROM candidates WHERE shard_key = ''
+    UNION ALL
+    SELECT task_id FROM shard_leases
+),
+claimed AS (
+    UPDATE agent_work_queue q
+    SET status = 'leased',
+        lease_owner = %(worker_id)s,
+        locked_until = now() + make_interval(secs => %(visibility_timeout)s),
+        attempts = q.attempts + 1,
+        updated_at = now()
+    WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
+    RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
+              q.attempts, q.max_attempts, q.locked_until, q.run_after
+)
+-- No row lock is ever waited for: acks and claims both skip locked rows, and the
+-- shard-lease inserts wait only on other inserts of the same key, taken in key order;
+-- so no cycle of waits, no deadlock. (An earlier version waited for busy acks; it had
+-- to ack before claiming, or two workers acking rows the other had just re-checked
+-- deadlocked for deadlock_timeout at 8 workers.)
+SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
+       NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
+       NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until,
+       NULL::timestamptz AS run_after
+FROM acked
+UNION ALL
+SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM agent_work_queue b
+WHERE b.id = ANY(%(ids)s::bigint[]) AND b.id <> ALL(ARRAY(SELECT id FROM lockable))
+  AND cardinality(%(ids)s::bigint[]) > (SELECT count(*) FROM lockable)  -- else not run
+UNION ALL
+SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts,
+       max_attempts, locked_until, run_after
+FROM claimed;
+
+
+-- name: ack_and_claim_limited
+-- ack_and_claim for a batch under flow control (docs/flow-control.md): the same acks,
+-- scan position, shard leases and tags, plus the tasks' limits and the batch's budget.
+-- Separate so that tasks without limits do not pay for its plan: a generic plan's
+-- executor start-up covers every node on every execution, and these nodes doubled it
+-- (+50 %% server CPU per task at claim batch 1, measured).
 --
 -- Limits (docs/flow-control.md): for each limit the candidates name, the claim takes
 -- one of its lanes (agent_limit_lane, migration 0010) with FOR NO KEY UPDATE SKIP
@@ -104,25 +235,11 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 -- Budget: a batch whose agent_batch_usage row shows its tokens or cost at or over the
 -- budget claims nothing (one index probe; no row, no budget).
 --
--- Scan position: the pending index keeps an entry for every row claimed since the last
--- vacuum (the entry of its old, pending version), and every scan from the start of the
--- batch steps over all of them: at 20,000 claims since the last vacuum a claim cost a
--- third more server CPU, and it grows with the batch. So a worker starts its scan just
--- after the (run_after, id) of its previous claim; it scans from the start again at
--- least every second and after any claim that came back short, so a task passed over
--- (its shard was busy, its limit full, or another worker held its row) waits at most
--- about a second longer. Every other way a row becomes pending again (retry, expiry,
--- release, requeue) gives it run_after = now() (a throttled task: its retry-after),
--- past every worker's position.
---
--- The halves touch disjoint rows (acked rows are leased, candidates pending). All CTEs
--- read one snapshot, so a shard this ack releases still looks busy to this claim's
--- pre-filter: its next task goes to the next claim (this worker's or another's).
--- Rows come back tagged: 'acked', 'busy' (ack again later), 'leased' (a new lease) or,
--- when nothing was claimed and some limit is waiting for its next slot of time, one
--- 'wait' row whose locked_until is that time and run_after the database clock now (the
--- worker sleeps until then rather than a whole poll interval); an id that is neither
--- acked nor busy is a lost lease.
+-- A task passed over because its limit was full waits, like one whose shard was busy,
+-- for the worker's next scan from the start. Rows come back tagged as in
+-- ack_and_claim, plus, when nothing was claimed and some limit is waiting for its next
+-- slot of time, one 'wait' row whose locked_until is that time and run_after the
+-- database clock now (the worker sleeps until then rather than a whole poll interval).
 WITH lockable AS (
     SELECT l.id FROM agent_work_queue l
     WHERE l.id = ANY(%(ids)s::bigint[])
@@ -617,6 +734,11 @@ uncounted AS (
 )
 SELECT id FROM deleted;
 
+-- name: batch_flow_control
+-- Whether a batch is under flow control (its claims must use ack_and_claim_limited).
+SELECT coalesce((SELECT flow_control FROM agent_batch WHERE batch_id = %(batch_id)s),
+                false) AS flow;
+
 -- name: batch_open
 -- True while the batch has work that is not finished: pending (due now or later) or leased.
 SELECT EXISTS (SELECT 1 FROM agent_work_queue
@@ -835,7 +957,12 @@ SET tokens = b.tokens + EXCLUDED.tokens,
 
 -- name: budget_set
 -- Set (or raise, or lower) a batch's budget; NULL keeps the current value. Claims see
--- it on their next statement: raising an exhausted budget resumes the batch.
+-- it on their next statement: raising an exhausted budget resumes the batch. The batch
+-- is under flow control from then on (its claims check the budget).
+WITH flow AS (
+    UPDATE agent_batch SET flow_control = true
+    WHERE batch_id = %(batch_id)s AND NOT flow_control
+)
 INSERT INTO agent_batch_usage AS b (batch_id, budget_tokens, budget_cost)
 VALUES (%(batch_id)s, %(budget_tokens)s, %(budget_cost)s)
 ON CONFLICT (batch_id) DO UPDATE

@@ -5,6 +5,14 @@ frequency). When JOBRUNNER_LLM_BASE_URL is set, an OpenAI-compatible chat comple
 endpoint writes the summary instead (JOBRUNNER_LLM_MODEL, JOBRUNNER_LLM_API_KEY), with
 the task's idempotency key sent as the Idempotency-Key header.
 
+Flow control (docs/flow-control.md): every summary reports its token counts with
+task.report_usage (the endpoint's `usage` when it answers one, else an estimate of
+about four characters per token; cost from JOBRUNNER_LLM_COST_PER_1K_TOKENS, default
+0), so `jobrunner usage --batch B` shows what the batch used. An HTTP 429 from the
+endpoint becomes RateLimited with its Retry-After, which pauses the limit named by
+JOBRUNNER_LLM_LIMIT (default: every limit the task names) for every worker without
+using an attempt.
+
 Each summary is stored through the effects helper (`task.once`), so a retry after a
 crash never writes it twice.
 """
@@ -15,13 +23,14 @@ import json
 import os
 import re
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
 
 from psycopg.types.json import Jsonb
 
-from jobrunner import Task
+from jobrunner import RateLimited, Task
 
 CORPUS = Path(__file__).parent / "corpus"
 CHUNK_CHARS = 900
@@ -60,7 +69,13 @@ def extractive_summary(text: str, sentences: int = 2) -> str:
     return " ".join(parts[i] for i in sorted(best))
 
 
-def llm_summary(text: str, idempotency_key: str) -> str:
+def approx_tokens(text: str) -> int:
+    """About four characters per token: what the offline summariser reports."""
+    return max(1, len(text) // 4)
+
+
+def llm_summary(text: str, idempotency_key: str) -> tuple[str, dict]:
+    """The endpoint's summary and its `usage` ({} when it reports none)."""
     base = os.environ["JOBRUNNER_LLM_BASE_URL"].rstrip("/")
     body = {
         "model": os.environ.get("JOBRUNNER_LLM_MODEL", "gpt-4o-mini"),
@@ -74,8 +89,22 @@ def llm_summary(text: str, idempotency_key: str) -> str:
         f"{base}/chat/completions", data=json.dumps(body).encode(), method="POST",
         headers={"Content-Type": "application/json", "Idempotency-Key": idempotency_key,
                  "Authorization": f"Bearer {os.environ.get('JOBRUNNER_LLM_API_KEY', '')}"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.load(response)["choices"][0]["message"]["content"].strip()
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.load(response)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 429:  # no attempt used; the limit waits for every worker
+            raise RateLimited(retry_after=_retry_after(exc.headers.get("Retry-After")),
+                              limit=os.environ.get("JOBRUNNER_LLM_LIMIT") or None) from None
+        raise
+    return answer["choices"][0]["message"]["content"].strip(), answer.get("usage") or {}
+
+
+def _retry_after(value: str | None) -> float:
+    try:
+        return max(0.0, float(value)) if value else 30.0
+    except ValueError:  # an HTTP date: wait the default
+        return 30.0
 
 
 def summarise_chunk(task: Task) -> dict:
@@ -86,9 +115,14 @@ def summarise_chunk(task: Task) -> dict:
     if task.payload.get("flaky") and task.attempt == 1:
         raise RuntimeError("429 Too Many Requests (simulated rate limit; retried with backoff)")
     if os.environ.get("JOBRUNNER_LLM_BASE_URL"):
-        summary = llm_summary(text, task.idempotency_key("summary"))
+        summary, usage = llm_summary(text, task.idempotency_key("summary"))
     else:
-        summary = extractive_summary(text)
+        summary, usage = extractive_summary(text), {}
+    prompt = int(usage.get("prompt_tokens") or approx_tokens(text))
+    completion = int(usage.get("completion_tokens") or approx_tokens(summary))
+    per_1k = float(os.environ.get("JOBRUNNER_LLM_COST_PER_1K_TOKENS", "0"))
+    task.report_usage(input_tokens=prompt, output_tokens=completion,
+                      cost=round((prompt + completion) * per_1k / 1000, 6))
     record = {"doc": doc, "chunk": index, "summary": summary, "chars": len(text)}
 
     def store(conn) -> dict:

@@ -59,6 +59,11 @@ ALTER TABLE agent_limit_lane SET (
     autovacuum_vacuum_threshold = 500
 );
 
+-- A batch is under flow control once any of its tasks names a limit or it has a budget
+-- (set by enqueue and budget_set, never cleared). Workers claim other batches with the
+-- plain ack_and_claim, whose plan does not carry the limits' nodes.
+ALTER TABLE agent_batch ADD COLUMN flow_control boolean NOT NULL DEFAULT false;
+
 -- What a task draws from: the limits it names (NULL: none, the claim's fast path) and
 -- its token estimate; `throttles` counts rate-limited answers (NULL: none), which do
 -- not use attempts but end the task dead after a bound. Nullable columns cost nothing
