@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import time
 import uuid
@@ -107,7 +108,7 @@ def jwt_claims(token: str) -> dict[str, Any]:
     return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
 
 
-SA_TOKEN = "var/run/secrets/kubernetes.io/serviceaccount/token"
+SA_TOKEN = "secrets/kubernetes.io/serviceaccount/token"  # under /var/run
 
 
 def process_credentials(k8s, namespace: str, pod: str) -> dict[str, Any]:
@@ -116,7 +117,12 @@ def process_credentials(k8s, namespace: str, pod: str) -> dict[str, Any]:
     (pid,) = k8s.node.pod_pids(namespace, pod).values()
     env = dict(item.split("=", 1) for item in
                Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in item)
-    claims = jwt_claims((Path(f"/proc/{pid}/root") / SA_TOKEN).read_text().strip())
+    root = Path(f"/proc/{pid}/root")
+    # /var/run is an absolute symlink to /run in Debian: resolve it inside the container
+    var_run = root / "var" / "run"
+    if var_run.is_symlink():
+        var_run = root / os.readlink(var_run).lstrip("/")
+    claims = jwt_claims((var_run / SA_TOKEN).read_text().strip())
     return {"env": env, "user": claims["kubernetes.io"]["serviceaccount"]["name"],
             "claims": claims}
 
