@@ -79,8 +79,9 @@ def namespace(k8s):
 
 @pytest.fixture
 def operator(k8s, namespace, dsn, tmp_path):
-    """The BatchRun controller as a local process watching `namespace`, with the CRDs
-    applied and the default database Secret pointing at the test's database."""
+    """The BatchRun controller in a container (the chart's pod spec and RBAC) watching
+    `namespace`, with the CRDs applied and the default database Secret pointing at the
+    test's database."""
     from .operator_support import Controller, apply_crds, create_db_secret
 
     apply_crds(k8s)

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .harness.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = [REPO / "crds" / "batchrun.yaml", REPO / "crds" / "kopf-peering.yaml"]
@@ -33,43 +32,99 @@ def create_db_secret(k8s, namespace: str, dsn: str, name: str = "jobrunner-db") 
     k8s.kubectl("apply", "-f", "-", input=json.dumps(manifest))
 
 
+CHART = REPO / "charts" / "jobrunner"
+CONTROLLER_NAMESPACE = "jobrunner-e2e-system"
+
+
 class Controller:
-    """`python -m controller` watching one namespace, with the admin kubeconfig."""
+    """The controller as the chart runs it: a container of the built image, with the pod
+    spec, ServiceAccount and RBAC that `helm template` renders for a release watching
+    `namespace` (chart value watch.namespaces), in a namespace of its own (as a real
+    install: deleting the watched namespace must not take the controller with it).
+
+    A bare Pod with restartPolicy Never rather than the Deployment, so that `kill()` is a
+    crash that stays down until `start()` creates the next controller pod."""
 
     def __init__(self, k8s, namespace: str, log: Path, metrics_port: int = 0, **env: str) -> None:
         self.k8s, self.namespace, self.log = k8s, namespace, log
-        self.metrics_port = metrics_port
-        self.env = {**k8s.env, "JOBRUNNER_REFRESH_SECONDS": "1",
-                    "JOBRUNNER_WORKER_IMAGE": k8s.image,
-                    "JOBRUNNER_WORKER_IMAGE_PULL_POLICY": "Never",
-                    "JOBRUNNER_WORKER_HOST_NETWORK": "true", "PYTHONPATH": str(REPO),
-                    **env}
-        self.proc: subprocess.Popen | None = None
+        self.metrics_port = metrics_port or free_port()
+        self.extra_env = env
+        self.release = f"c-{namespace}"[:40]
+        self.pod = f"{self.release}-controller"
+        self.generation = 0
+        self._objects_applied = False
+
+    def _render(self) -> list[dict[str, Any]]:
+        sets = ["--set", f"watch.namespaces={{{self.namespace}}}",
+                "--set", "peering.enabled=false",
+                "--set", "image.repository=jobrunner", "--set", "image.tag=e2e",
+                "--set", "image.pullPolicy=Never",
+                "--set", "controller.hostNetwork=true", "--set", "worker.hostNetwork=true",
+                "--set", "controller.refreshSeconds=1", "--set", "controller.logFormat=text",
+                "--set", f"controller.metricsPort={self.metrics_port}",
+                "--set", f"controller.healthPort={free_port()}",
+                "--set", "metrics.service.enabled=false"]
+        envs = [*self.k8s.in_cluster_env(),
+                *({"name": k, "value": v} for k, v in self.extra_env.items())]
+        for i, e in enumerate(envs):
+            sets += ["--set", f"controller.extraEnv[{i}].name={e['name']}",
+                     "--set-string", f"controller.extraEnv[{i}].value={e['value']}"]
+        out = self.k8s.helm("template", self.release, str(CHART), "-n", CONTROLLER_NAMESPACE,
+                            *sets).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
 
     def start(self) -> Controller:
-        handle = open(self.log, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "controller", "--namespace", self.namespace, "--standalone",
-             "--metrics-port", str(self.metrics_port), "--health-port", "0",
-             "--log-format", "text"],
-            env=self.env, cwd=REPO, stdout=handle, stderr=handle, start_new_session=True)
+        docs = self._render()
+        if not self._objects_applied:
+            self.k8s.kubectl("create", "namespace", CONTROLLER_NAMESPACE, check=False)
+            rest = [d for d in docs if d["kind"] != "Deployment"]
+            self.k8s.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rest))
+            self._objects_applied = True
+        (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
+        template = deploy["spec"]["template"]
+        self.generation += 1
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": f"{self.pod}-{self.generation}",
+                            "namespace": CONTROLLER_NAMESPACE,
+                            "labels": template["metadata"].get("labels", {})},
+               "spec": {**template["spec"], "restartPolicy": "Never"}}
+        self.k8s.kubectl("apply", "-f", "-", input=json.dumps(pod))
         return self
 
+    @property
+    def pod_name(self) -> str:
+        return f"{self.pod}-{self.generation}"
+
+    def _pod(self) -> dict[str, Any] | None:
+        return get(self.k8s, "pod", self.pod_name, CONTROLLER_NAMESPACE)
+
+    def alive(self) -> bool:
+        """The controller's container has not ended (it may still be starting)."""
+        pod = self._pod()
+        return bool(pod) and pod["status"].get("phase") in ("Pending", "Running", None)
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            self.proc.wait(30)
+        self.k8s.node.kill_pod(CONTROLLER_NAMESPACE, self.pod_name, sig)
+        deadline = time.monotonic() + 30
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self._save_log()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self._save_log()
+        self.k8s.kubectl("delete", "pod", self.pod_name, "-n", CONTROLLER_NAMESPACE,
+                         "--wait=false", "--ignore-not-found", check=False)
+
+    def _save_log(self) -> None:
+        r = self.k8s.kubectl("logs", self.pod_name, "-n", CONTROLLER_NAMESPACE, check=False)
+        if r.returncode == 0:
+            with open(self.log, "a") as f:
+                f.write(f"===== {self.pod_name} =====\n{r.stdout}")
 
     def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
+        saved = self.log.read_text(errors="replace") if self.log.exists() else ""
+        r = self.k8s.kubectl("logs", self.pod_name, "-n", CONTROLLER_NAMESPACE, check=False)
+        return saved + (r.stdout if r.returncode == 0 else "")
 
 
 # The tests' handlers (tests/support/handlers.py) are not in the image: worker pods get the

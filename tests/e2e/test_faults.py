@@ -71,7 +71,7 @@ def test_apiserver_restart_mid_run(k8s, namespace, dsn, operator):
     assert br["status"]["phase"] == "Succeeded", br["status"]
     done = db_one(dsn, "SELECT count(*) FROM agent_work_queue WHERE status = 'done'")[0]
     assert done == 40 == br["status"]["counts"]["done"]
-    assert operator.proc.poll() is None
+    assert operator.alive()
 
 
 def test_pod_killed_by_active_deadline(k8s, namespace, dsn, operator):
@@ -126,7 +126,7 @@ def test_database_secret_deleted_mid_run(k8s, namespace, dsn, operator):
     assert cond and cond["reason"] == "SecretNotFound" and cond["status"] == "Unknown", cond
     assert "jobrunner-db" in cond["message"]
     assert status["phase"] == "Running"  # not Succeeded, not Failed: it is waiting
-    assert operator.proc.poll() is None, "the controller crashed"
+    assert operator.alive(), "the controller crashed"
     reasons = [e["reason"] for e in events_of(k8s, namespace)]
     assert "SecretNotFound" in reasons
     create_db_secret(k8s, namespace, dsn)

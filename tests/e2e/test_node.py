@@ -128,7 +128,7 @@ def _assert_refused(k8s, namespace, name, operator, reason: str, words: str,
     events = [e for e in events_of(k8s, namespace) if e["reason"] == reason
               and e["involvedObject"]["kind"] == "BatchRun"]
     assert events and events[0]["type"] == "Warning" and words in events[0]["message"]
-    assert operator.proc.poll() is None, "the controller crashed"
+    assert operator.alive(), "the controller crashed"
     (job,) = jobs_of(k8s, namespace)
     assert job["spec"]["suspend"] is True  # its pods go away; the tasks stay queued
     wait_for("the worker pods gone", lambda: not pods_of(k8s, namespace), timeout=60)

@@ -229,7 +229,7 @@ def test_missing_secret_gives_a_condition_not_a_crash(k8s, namespace, dsn, opera
         time.sleep(0.5)
     assert cond and cond["status"] == "False" and cond["reason"] == "SecretNotFound", cond
     assert br["status"].get("phase") in (None, "Pending")
-    assert operator.proc.poll() is None, "the controller died"
+    assert operator.alive(), "the controller died"
     reasons = {e["reason"] for e in events_of(k8s, namespace)}
     assert "SecretNotFound" in reasons
     # once the Secret appears, the run proceeds
