@@ -399,6 +399,9 @@ class Queue:
             steps.append((query(statement), self._ack_and_claim_params(
                 worker_id, successes, batch_id if claiming else None, limit, after)))
         kept, busy, leases = self._run_completion(failures, steps)
+        if claiming and not leases and self.limit_wait is None \
+                and statement == "ack_and_claim_limited":
+            self.limit_wait = self._next_room()
         if claiming and len(leases) < limit and any(
                 o.lease.shard_key and o.lease.id in kept for o in successes):
             # The ack released a shard that the claim, reading the same snapshot, still
@@ -415,6 +418,14 @@ class Queue:
     FULL_SCAN_EVERY = 1.0
     # A batch not (yet) under flow control is checked again this often (seconds).
     FLOW_CHECK_EVERY = 1.0
+
+    def _next_room(self) -> float | None:
+        """Seconds until a full limit has room again (None: none is waiting for time)."""
+        cursors = self._one_round_trip([(query("limit_next_room"), None)])
+        cur = cursors[0] if cursors is not None else self._cursor().execute(
+            query("limit_next_room"))
+        seconds = cur.fetchone()[0]
+        return None if seconds is None else max(0.0, float(seconds))
 
     def _flow_controlled(self, batch_id: str) -> bool:
         """Whether the batch's claims must use ack_and_claim_limited: its tasks name
@@ -508,8 +519,7 @@ class Queue:
             elif outcome == "acked":
                 kept.add(row[1])
             elif outcome == "wait":
-                # (both times on the database clock: no skew with the worker's)
-                self.limit_wait = max(0.0, (row[9] - row[10]).total_seconds())
+                self.limit_wait = 0.0  # every lane of a limit was busy: come back at once
             else:
                 busy.add(row[1])
         leases.sort(key=lambda lease: lease.id)

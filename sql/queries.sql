@@ -133,7 +133,6 @@ slots_freed AS (
     WHERE acked.limits IS NOT NULL
       AND s.limit_name = ANY(acked.limits) AND s.task_id = acked.id
 ),
-
 candidates AS (
     SELECT q.id, q.tenant_id, coalesce(q.shard_key, '') AS shard_key
     FROM agent_work_queue q
@@ -237,9 +236,10 @@ FROM claimed;
 --
 -- A task passed over because its limit was full waits, like one whose shard was busy,
 -- for the worker's next scan from the start. Rows come back tagged as in
--- ack_and_claim, plus, when nothing was claimed and some limit is waiting for its next
--- slot of time, one 'wait' row whose locked_until is that time and run_after the
--- database clock now (the worker sleeps until then rather than a whole poll interval).
+-- ack_and_claim, plus one 'wait' row when every lane of a limit was held by other
+-- claims (come back at once). When a claim finds nothing, the worker asks
+-- limit_next_room how long to sleep (a separate statement: its nodes would otherwise be
+-- started up on every claim).
 WITH lockable AS (
     SELECT l.id FROM agent_work_queue l
     WHERE l.id = ANY(%(ids)s::bigint[])
@@ -458,18 +458,24 @@ SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts
        max_attempts, locked_until, run_after
 FROM claimed
 UNION ALL
-SELECT 'wait', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, h.next_at, clock_timestamp()
-FROM (SELECT CASE WHEN EXISTS (SELECT 1 FROM limit_conf f WHERE f.name NOT IN (
-                                   SELECT limit_name FROM limit_lanes))
-                  THEN clock_timestamp()  -- every lane of a limit was busy: try again now
-                  ELSE min(greatest(l.blocked_until,
-                                    CASE WHEN ln.requests IS NOT NULL THEN ln.request_tat END,
-                                    CASE WHEN ln.tokens IS NOT NULL THEN ln.token_tat END))
-             END AS next_at
-      FROM agent_limit l JOIN agent_limit_lane ln ON ln.limit_name = l.name
-      WHERE l.blocked_until > now() OR ln.request_tat > now() OR ln.token_tat > now()) h
-WHERE %(limit)s::bigint > 0 AND h.next_at IS NOT NULL
-  AND NOT EXISTS (SELECT 1 FROM claimed);
+-- every lane of a limit was held by other claims: the worker should come back at once
+(SELECT 'wait', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+ FROM limit_conf f
+ WHERE f.name NOT IN (SELECT limit_name FROM limit_lanes)
+ LIMIT 1);
+
+-- name: limit_next_room
+-- After a claim of a batch under flow control that found nothing: how long until a
+-- limit that is full now has room again (the earliest of its lanes' next request or
+-- token and its block), so that the worker sleeps until then and not a whole poll
+-- interval. Any limit counts (a few rows): waking early only costs a poll.
+SELECT extract(epoch FROM min(greatest(
+           l.blocked_until,
+           CASE WHEN ln.requests IS NOT NULL THEN ln.request_tat END,
+           CASE WHEN ln.tokens IS NOT NULL THEN ln.token_tat END)) - clock_timestamp())
+       AS seconds
+FROM agent_limit l JOIN agent_limit_lane ln ON ln.limit_name = l.name
+WHERE l.blocked_until > now() OR ln.request_tat > now() OR ln.token_tat > now();
 
 -- name: heartbeat
 -- Renews every lease this worker still holds. A lease missing from the result is lost

@@ -501,3 +501,22 @@ def test_rate_limited_error_is_exported():
     exc = jobrunner.RateLimited(retry_after=12, limit="openai")
     assert (exc.retry_after, exc.limit) == (12.0, "openai")
     assert jobrunner.RateLimited(retry_after="nonsense").retry_after == 30.0
+
+
+def test_the_two_claim_statements_share_their_ack_half():
+    """ack_and_claim and ack_and_claim_limited (docs/flow-control.md, "Two claim
+    statements") must ack, release and tag rows identically: the shared text is kept
+    identical, so a change to one that is not made to the other fails here."""
+    from jobrunner.sqlfiles import query
+
+    plain, limited = query("ack_and_claim"), query("ack_and_claim_limited")
+
+    def between(text: str, start: str, end: str) -> str:
+        return text[text.index(start):text.index(end, text.index(start))]
+
+    assert between(plain, "WITH lockable AS", "candidates AS (") == between(
+        limited, "WITH lockable AS", "candidates AS (")
+    assert between(plain, "SELECT 'acked' AS outcome", "FROM claimed") == between(
+        limited, "SELECT 'acked' AS outcome", "FROM claimed")
+    for cte in ("one_per_shard AS (", "shard_leases AS (", "claimed AS ("):
+        assert cte in plain and cte in limited
