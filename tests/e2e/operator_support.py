@@ -45,8 +45,13 @@ class Controller:
     A bare Pod with restartPolicy Never rather than the Deployment, so that `kill()` is a
     crash that stays down until `start()` creates the next controller pod."""
 
-    def __init__(self, k8s, namespace: str, log: Path, metrics_port: int = 0, **env: str) -> None:
+    def __init__(self, k8s, namespace: str, log: Path, metrics_port: int = 0,
+                 cluster_rbac: bool = False, **env: str) -> None:
         self.k8s, self.namespace, self.log = k8s, namespace, log
+        # The chart's namespaced RBAC lives in the watched namespace: deleting that
+        # namespace may delete the Role before the BatchRuns' finalizers ran (NOTES.txt:
+        # delete the BatchRuns first). cluster_rbac renders the ClusterRole instead.
+        self.cluster_rbac = cluster_rbac
         self.metrics_port = metrics_port or free_port()
         self.extra_env = env
         self.release = f"c-{namespace}"[:40]
@@ -55,7 +60,9 @@ class Controller:
         self._objects_applied = False
 
     def _render(self) -> list[dict[str, Any]]:
-        sets = ["--set", f"watch.namespaces={{{self.namespace}}}",
+        scope = (["--set", "watch.clusterWide=true"] if self.cluster_rbac
+                 else ["--set", f"watch.namespaces={{{self.namespace}}}"])
+        sets = [*scope,
                 "--set", "peering.enabled=false",
                 "--set", "image.repository=jobrunner", "--set", "image.tag=e2e",
                 "--set", "image.pullPolicy=Never",
@@ -83,6 +90,9 @@ class Controller:
         (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
         template = deploy["spec"]["template"]
         self.generation += 1
+        for c in template["spec"]["containers"]:  # still watch only the test's namespace
+            c["args"] = [f"--namespace={self.namespace}" if a == "--all-namespaces" else a
+                         for a in c.get("args", [])]
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": f"{self.pod}-{self.generation}",
                             "namespace": CONTROLLER_NAMESPACE,

@@ -247,14 +247,14 @@ def test_namespace_deletion_with_a_running_batchrun_completes(k8s, dsn, tmp_path
     k8s.kubectl("wait", "--for=create", "serviceaccount/default", "-n", ns, "--timeout=60s")
     apply_crds(k8s)
     create_db_secret(k8s, ns, dsn)
-    controller = Controller(k8s, ns, tmp_path / "controller.log",
+    controller = Controller(k8s, ns, tmp_path / "controller.log", cluster_rbac=True,
                             JOBRUNNER_DELETE_RETRIES="2").start()
     try:
         apply(k8s, ns, batchrun("running", {
             "tenant": "t", "workers": 1, "handler": "tests.support.handlers:record",
             "shardRange": {"count": 50, "payload": {"sleep": 1}}, **FAST}))
         wait_phase(k8s, "running", ns, ("Running",), controller=controller)
-        k8s.kubectl("delete", "namespace", ns, "--timeout=150s")
+        k8s.kubectl("delete", "namespace", ns, "--timeout=150s", timeout=180)
         r = k8s.kubectl("get", "namespace", ns, check=False)
         assert r.returncode != 0 and "NotFound" in r.stderr
     finally:
