@@ -478,7 +478,8 @@ In another shell:
 
   export KUBECONFIG={cluster.kubeconfig} PATH={bin_dir}:$PATH
   kubectl get nodes -o wide
-  kubectl create secret generic jobrunner-db --from-literal=dsn='postgresql://USER:PASS@127.0.0.1:PORT/DB'
+  # Secret jobrunner-db (the DSN) exists when make cluster started its PostgreSQL; else:
+  #   kubectl create secret generic jobrunner-db --from-literal=dsn='postgresql://…'
   helm install jr charts/jobrunner --wait \\
     --set image.repository=jobrunner --set image.tag={cluster.image.split(':')[1]} \\
     --set image.pullPolicy=Never --set controller.hostNetwork=true \\
@@ -506,6 +507,8 @@ def main(argv=None) -> int:
         "--kubeconfig", default=str(DEFAULT_KUBECONFIG), help="where to write the admin kubeconfig"
     )
     ap.add_argument("--no-node", action="store_true", help="control plane only")
+    ap.add_argument("--no-postgres", action="store_true",
+                    help="do not start the embedded PostgreSQL and its jobrunner-db Secret")
     ap.add_argument(
         "--keep", action="store_true", help="keep the temp dir (logs, etcd data) on exit"
     )
@@ -528,8 +531,22 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGINT, _sig)
     signal.signal(signal.SIGTERM, _sig)
-    cluster.start()
+    pg = None
     try:
+        if not a.no_postgres:
+            from jobrunner.embedded import EmbeddedPostgres
+
+            pg = EmbeddedPostgres(REPO_ROOT / ".e2e" / "postgres")
+            pg.start()
+        cluster.start()
+        if pg is not None:
+            # The DSN goes into the Secret through stdin: never on a command line or screen.
+            secret = {"apiVersion": "v1", "kind": "Secret",
+                      "metadata": {"name": "jobrunner-db", "namespace": "default"},
+                      "stringData": {"dsn": pg.dsn()}}
+            cluster.kubectl("apply", "-f", "-", input=json.dumps(secret))
+            print(f"[e2e-cluster] PostgreSQL on 127.0.0.1:{pg.port} (data in {pg.root}); "
+                  "its DSN is in Secret default/jobrunner-db", file=sys.stderr)
         print(json.dumps(cluster.info(), indent=2))
         print(usage(cluster, bin_dir), flush=True)
         while not stop.wait(1):
@@ -542,6 +559,8 @@ def main(argv=None) -> int:
                     return 1
     finally:
         cluster.stop()
+        if pg is not None:
+            pg.stop()
         try:
             if Path(a.kubeconfig).exists():
                 Path(a.kubeconfig).unlink()
