@@ -286,10 +286,12 @@ candidates AS (
       -- token not due yet); the check that counts is limit_check, under the locks. (The
       -- clock, not now(): a claim that committed after this transaction started may have
       -- moved a limit's TAT past now() and still leave room at this instant.)
-      AND (q.limits IS NULL OR cardinality(q.limits) = (
-          SELECT count(*) FROM agent_limit l
-          WHERE l.name = ANY(q.limits)
-            AND (l.blocked_until IS NULL OR l.blocked_until <= clock_timestamp())
+      -- (One array for the whole statement, not a subquery per row: a row another claim
+      -- took after this snapshot is re-checked by EvalPlanQual, which starts up the
+      -- scan's subplans again for each such row.)
+      AND (q.limits IS NULL OR q.limits <@ ARRAY(
+          SELECT l.name FROM agent_limit l
+          WHERE (l.blocked_until IS NULL OR l.blocked_until <= clock_timestamp())
             AND EXISTS (
                 SELECT 1 FROM agent_limit_lane ln
                 WHERE ln.limit_name = l.name
