@@ -23,6 +23,8 @@ COPY controller/ controller/
 COPY sql/ sql/
 COPY crds/ crds/
 # Core install only: the embedded PostgreSQL ([local] extra) is for laptops, not pods.
+# Dropped after the install: the kubernetes package's asyncio client (kubernetes.aio,
+# 65 MB with its bytecode; jobrunner and kopf use neither) and the venv's setuptools.
 # All dependencies ship binary wheels (psycopg[binary]), so no compiler is needed.
 # A network that re-signs TLS needs its CA bundle for pip: pass it as a build secret
 # (`--secret id=ca-certificates,src=/etc/ssl/certs/ca-certificates.crt`); it is mounted
@@ -32,6 +34,9 @@ RUN --mount=type=secret,id=ca-certificates,required=false \
  && python -m venv /opt/venv \
  && /opt/venv/bin/pip install --upgrade pip \
  && /opt/venv/bin/pip install . \
+ && site=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
+ && rm -rf "$site/kubernetes/aio" "$site/setuptools" "$site/pkg_resources" \
+           "$site/_distutils_hack" "$site/distutils-precedence.pth" "$site"/setuptools-*.dist-info \
  && /opt/venv/bin/python -m compileall -q /opt/venv \
  && /opt/venv/bin/pip uninstall -y pip
 
