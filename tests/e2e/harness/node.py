@@ -32,6 +32,7 @@ from .images import PAUSE_IMAGE, Builder
 from .procs import Proc, free_port
 
 RUN_DIR = Path("/run/jobrunner-e2e")
+LOCK_FILE = Path("/run/jobrunner-e2e.lock")
 CGROUP_ROOT = "jobrunner-e2e"
 CGROUP_FS = Path("/sys/fs/cgroup")
 NODE_NAME = "127.0.0.1"
@@ -198,7 +199,9 @@ class Node:
     # ------------------------------------------------------------------ state
     def _take_lock(self) -> None:
         self.state.mkdir(parents=True, exist_ok=True)
-        f = open(self.state / ".node.lock", "w")  # noqa: SIM115 - held for the node's life
+        # Beside RUN_DIR, not in the state dir: two nodes with different caches would still
+        # share RUN_DIR and the cgroup root, and each start wipes both.
+        f = open(LOCK_FILE, "w")  # noqa: SIM115 - held for the node's life
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
