@@ -14,6 +14,7 @@ from kubernetes.client.exceptions import ApiException
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from jobrunner import db
 from jobrunner.db import describe_error
 from jobrunner.migrate import migrate
 from jobrunner.queue import Queue
@@ -67,10 +68,9 @@ def _pool(dsn: str) -> ConnectionPool:
     with _lock:
         pool = _pools.get(dsn)
         if pool is None:
+            params = db.connection_params(dsn, 5, application_name="jobrunner-controller")
             pool = ConnectionPool(dsn, min_size=0, max_size=4, open=True, timeout=5,
-                                  kwargs={"row_factory": dict_row,
-                                          "application_name": "jobrunner-controller",
-                                          "connect_timeout": 5},
+                                  kwargs={"row_factory": dict_row, **params},
                                   check=ConnectionPool.check_connection)
             _pools[dsn] = pool
         return pool
@@ -81,20 +81,27 @@ def queue_for(dsn: str) -> Iterator[Queue]:
     """A Queue on a pooled connection; migrations are applied on first use."""
     try:
         with _pool(dsn).connection() as conn:
-            if dsn not in _migrated:
-                migrate(conn)
-                _migrated.add(dsn)
-            yield Queue(conn)
+            try:
+                if dsn not in _migrated:
+                    migrate(conn)
+                    _migrated.add(dsn)
+                yield Queue(conn)
+            except psycopg.errors.ReadOnlySqlTransaction:
+                # A read-only server (a standby, a demoted primary the DSN still names
+                # after a failover): closed, so the pool opens a new connection next time
+                # instead of handing this one out again.
+                conn.close()
+                raise
     except PoolTimeout:
         raise DatabaseProblem("DatabaseUnavailable", describe_error(_why(dsn), dsn)) from None
-    except (psycopg.OperationalError, psycopg.errors.AdminShutdown) as exc:
+    except db.RETRYABLE as exc:
         raise DatabaseProblem("DatabaseUnavailable", describe_error(exc, dsn)) from None
 
 
 def _why(dsn: str) -> BaseException:
     """The pool only says it timed out; one direct attempt tells the user why."""
     try:
-        psycopg.connect(dsn, connect_timeout=5).close()
+        psycopg.connect(dsn, **db.connection_params(dsn, 5)).close()
     except psycopg.Error as exc:
         return exc
     return TimeoutError("no connection became available in time")

@@ -8,6 +8,10 @@ Guarantees:
   connections (reconnecting with backoff up to 5 s) until the operation succeeds or
   force_stop is set: what it carries (acks, claims, releases) is never dropped silently
   while the worker runs.
+- A connection to a read-only server (a hot standby, or a demoted primary still behind
+  the DSN's name after a failover: SQLSTATE 25006) is dropped and a new one opened with
+  the same backoff, never retried on the same session; with a multi-host DSN and
+  target_session_attrs=read-write the new one finds the primary (docs/failover.md).
 - autocommit: every Queue call is one statement or one pipeline, which is its own
   transaction (one round trip, one commit).
 """
@@ -45,7 +49,14 @@ class QueueConnection:
 
     def queue(self) -> Queue:
         if self._conn is None or self._conn.closed or self._q is None:
-            self._conn = db.connect(self.dsn, autocommit=True, purpose=self.purpose)
+            conn = db.connect(self.dsn, autocommit=True, purpose=self.purpose)
+            if b"on" in (conn.pgconn.parameter_status(b"in_hot_standby"),
+                         conn.pgconn.parameter_status(b"default_transaction_read_only")):
+                # (reported by PostgreSQL 14+ at no cost; every write here would fail)
+                conn.close()
+                raise db.DatabaseUnavailable(db.describe_error(
+                    RuntimeError("the server is read-only (a hot standby?)"), self.dsn))
+            self._conn = conn
             # (one Queue per connection: it keeps the connection's claim scan position)
             self._q = Queue(self._conn, self.timing, self.statement_timeout_ms)
         return self._q

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from .errors import JobrunnerError
@@ -17,8 +18,22 @@ DSN_ENV = "JOBRUNNER_DATABASE_URL"
 T = TypeVar("T")
 
 # Errors after which a fresh connection may succeed: server restart, network blip,
-# PgBouncer dropping a server connection, the server refusing while starting up.
-RETRYABLE = (psycopg.OperationalError, psycopg.errors.AdminShutdown)
+# PgBouncer dropping a server connection, the server refusing while starting up, and a
+# read-only server (SQLSTATE 25006: a standby, or a demoted primary that a DNS name or
+# service still points at after a failover). Retrying on the same session would fail
+# forever: callers drop the connection and open a new one, which finds the primary.
+RETRYABLE = (psycopg.OperationalError, psycopg.errors.AdminShutdown,
+             psycopg.errors.ReadOnlySqlTransaction)
+
+# Given to every connection whose DSN does not set them (docs/failover.md). With the
+# kernel's defaults a primary that vanished (node lost, network cut: no reset is ever
+# sent) is noticed after about 15 minutes by a statement waiting for its answer, and
+# after 2 h 11 min by an idle connection such as the LISTEN one. With these an idle
+# connection is probed after 5 s and dropped after 3 unanswered probes 2 s apart (11 s),
+# and a request whose data stays unacknowledged for 10 s fails (tcp_user_timeout, ms);
+# both then reconnect, to the new primary.
+CONNECTION_DEFAULTS = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+                       "keepalives_count": 3, "tcp_user_timeout": 10_000}
 
 
 class DatabaseUnavailable(JobrunnerError):
@@ -48,11 +63,26 @@ def transaction_pooling() -> bool:
     return os.environ.get("JOBRUNNER_TRANSACTION_POOLING", "0") not in ("0", "false", "no", "")
 
 
+def connection_params(dsn: str, connect_timeout: int = 10, **ours: Any) -> dict[str, Any]:
+    """Keyword arguments for psycopg.connect (or a pool) with `dsn`: `ours`, plus
+    connect_timeout (per host of a multi-host DSN) and CONNECTION_DEFAULTS where the DSN
+    leaves them unset: keywords override the DSN, and a setting the operator chose wins.
+    The DSN itself (one host or several, target_session_attrs, URL or key=value form)
+    goes to libpq unchanged."""
+    try:
+        given = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        given = {}  # (psycopg.connect reports the malformed DSN itself)
+    defaults = {"connect_timeout": connect_timeout, **CONNECTION_DEFAULTS}
+    return {**{k: v for k, v in defaults.items() if k not in given}, **ours}
+
+
 def connect(dsn: str, *, autocommit: bool = False, purpose: str = "jobrunner",
             connect_timeout: int = 10) -> psycopg.Connection:
     try:
         conn = psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row,
-                               connect_timeout=connect_timeout, application_name=purpose)
+                               **connection_params(dsn, connect_timeout,
+                                                   application_name=purpose))
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(describe_error(exc, dsn)) from None
     if not prepared_statements_enabled():

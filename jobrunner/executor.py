@@ -90,7 +90,7 @@ class Executor:
             # Retrying cannot fix this: the handler's code returns the wrong type.
             return Outcome(lease, False, permanent=True,
                            error=f"handler returned a value that is not JSON: {exc}")
-        return Outcome(lease, True, result=result, encoded=encoded)
+        return Outcome(lease, True, result=result, encoded=encoded, effects=task.effect_keys)
 
     def _rate_limited(self, lease: Lease, task: Task, exc: RateLimited) -> Outcome:
         """Block the limit for every worker now (its own transaction: the claim must see

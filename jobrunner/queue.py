@@ -70,6 +70,9 @@ class Outcome:
     # Rate limited (RateLimited, exit 76): back to pending after this many seconds
     # without using an attempt (see the `throttle` query).
     throttle_after: float | None = None
+    # The task.once keys the attempt applied or found: a success is acked only where
+    # their ledger rows are (end_leases_missing_effects, sql/failover.sql).
+    effects: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -390,6 +393,14 @@ class Queue:
         failures = [o for o in outcomes if not o.ok]
         claiming = bool(limit and batch_id is not None)
         steps: list[tuple[str, Any]] = [self._failure_step(worker_id, f) for f in failures]
+        guarded = [(o, key) for o in successes for key in o.effects]
+        if guarded:
+            # In front of the ack, in its transaction: a success whose effects are not on
+            # this server (lost in a failover) is not acked but runs again.
+            steps.append((query("end_leases_missing_effects"), {
+                "worker_id": worker_id, "ids": _int_array(o.lease.id for o, _ in guarded),
+                "attempts": _int_array(o.lease.attempt for o, _ in guarded),
+                "effect_keys": [key for _, key in guarded]}))
         after = self._scan_position(batch_id) if claiming else None
         if claiming:
             self.limit_wait = None

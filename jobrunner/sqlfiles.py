@@ -46,20 +46,28 @@ def migrations() -> tuple[Migration, ...]:
     return tuple(found)
 
 
+# Files of named queries, one namespace: the state transitions, and what keeps the
+# guarantees across a failover.
+QUERY_FILES = ("queries.sql", "failover.sql")
+
+
 @cache
 def queries() -> dict[str, str]:
-    """Parse ``queries.sql`` into {name: statement}; comment lines are dropped."""
+    """Parse the QUERY_FILES into {name: statement}; comment lines are dropped."""
     named: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in (sql_dir() / "queries.sql").read_text().splitlines():
-        stripped = line.strip()
-        if stripped.startswith("-- name:"):
-            name = stripped.removeprefix("-- name:").strip()
-            current = named.setdefault(name, [])
-        elif stripped.startswith("--") or current is None:
-            continue
-        else:
-            current.append(line)
+    for filename in QUERY_FILES:
+        current: list[str] | None = None
+        for line in (sql_dir() / filename).read_text().splitlines():
+            stripped = line.strip()
+            if stripped.startswith("-- name:"):
+                name = stripped.removeprefix("-- name:").strip()
+                if name in named:
+                    raise ValueError(f"query {name!r} is named twice in {QUERY_FILES}")
+                current = named[name] = []
+            elif stripped.startswith("--") or current is None:
+                continue
+            else:
+                current.append(line)
     return {name: "\n".join(lines).strip().rstrip(";") for name, lines in named.items()}
 
 

@@ -33,6 +33,9 @@ class Task:
     lease_lost: threading.Event = field(default_factory=threading.Event)
     _effects: Effects | None = field(default=None, repr=False)
     _lease: Lease | None = field(default=None, repr=False)
+    # Effect keys this attempt applied or found applied: its ack requires their ledger
+    # rows on the server that takes it (see jobrunner/effects.py).
+    _effect_keys: tuple[str, ...] = field(default=(), repr=False)
 
     @classmethod
     def from_lease(cls, lease: Lease, worker_id: str, effects: Effects | None) -> Task:
@@ -84,4 +87,12 @@ class Task:
         if self._effects is None or self._lease is None:
             raise RuntimeError("this task has no effects ledger attached")
         self.check_lease()
-        return self._effects.once(self._lease, self.worker_id, effect_key, effect)
+        result = self._effects.once(self._lease, self.worker_id, effect_key, effect)
+        if effect_key not in self._effect_keys:
+            self._effect_keys += (effect_key,)
+        return result
+
+    @property
+    def effect_keys(self) -> tuple[str, ...]:
+        """The effects (task.once keys) this attempt has applied or found applied."""
+        return self._effect_keys

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from jobrunner.migrate import _CREATE_VERSIONS, migrate, pending_migrations
-from jobrunner.sqlfiles import migrations, queries
+from jobrunner.sqlfiles import QUERY_FILES, migrations, queries
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,7 +72,8 @@ def test_sql_ships_inside_the_wheel(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = tmp_path.glob("jobrunner-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "jobrunner/sql/queries.sql" in names
+    for filename in QUERY_FILES:
+        assert f"jobrunner/sql/{filename}" in names
     for m in migrations():
         assert f"jobrunner/sql/migrations/{m.version:04d}_{m.name}.sql" in names
     assert "jobrunner/crds/batchrun.yaml" in names

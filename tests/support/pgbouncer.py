@@ -1,9 +1,12 @@
-"""A PgBouncer (Debian's package) in transaction pooling mode in front of a test server."""
+"""A PgBouncer (Debian's package) in transaction pooling mode in front of a test server;
+`repoint` moves it to another server as an operator does after a failover (the ini
+rewritten, then a reload)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -21,9 +24,11 @@ def available() -> bool:
 
 
 class PgBouncer:
-    def __init__(self, server_dsn: str, pool_size: int = 20) -> None:
+    def __init__(self, server_dsn: str, pool_size: int = 20,
+                 settings: dict[str, str] | None = None) -> None:
         self.server = conninfo_to_dict(server_dsn)
         self.pool_size = pool_size
+        self.settings = settings or {}  # more [pgbouncer] settings
         self.dir = Path(tempfile.mkdtemp(prefix="jobrunner-pgbouncer-"))
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -36,9 +41,9 @@ class PgBouncer:
         return (f"postgresql://{s['user']}:{s['password']}@127.0.0.1:{self.port}/"
                 f"{s.get('dbname', 'postgres')}")
 
-    def start(self) -> PgBouncer:
+    def _write_ini(self) -> None:
         s = self.server
-        (self.dir / "userlist.txt").write_text(f'"{s["user"]}" "{s["password"]}"\n')
+        extra = "".join(f"{name} = {value}\n" for name, value in self.settings.items())
         (self.dir / "pgbouncer.ini").write_text(f"""
 [databases]
 * = host={s['host']} port={s['port']}
@@ -55,7 +60,12 @@ max_client_conn = 1000
 server_reset_query =
 ignore_startup_parameters = extra_float_digits,options,application_name
 logfile = {self.dir / 'pgbouncer.log'}
-""")
+{extra}""")
+
+    def start(self) -> PgBouncer:
+        s = self.server
+        (self.dir / "userlist.txt").write_text(f'"{s["user"]}" "{s["password"]}"\n')
+        self._write_ini()
         ids: dict = {}
         if os.geteuid() == 0:  # PgBouncer refuses to run as root
             for path in [self.dir, *self.dir.iterdir()]:
@@ -75,6 +85,14 @@ logfile = {self.dir / 'pgbouncer.log'}
                     raise RuntimeError("pgbouncer did not start: " + (
                         log.read_text()[-2000:] if log.exists() else "no log")) from None
                 time.sleep(0.2)
+
+    def repoint(self, host: str, port: int) -> None:
+        """Send new server connections to host:port: the ini rewritten and reloaded
+        (SIGHUP). Connections to the old server are closed once they are released."""
+        self.server = {**self.server, "host": host, "port": str(port)}
+        self._write_ini()  # (rewritten in place: still owned by the server's user)
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGHUP)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

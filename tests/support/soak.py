@@ -1,0 +1,234 @@
+"""The soak both fault tests run (tests/test_chaos.py: server restarts; tests/test_failover.py:
+primary failovers): a batch with one task.once effect per task (tests/support/chaos.py's
+handler), 8 worker processes killed with -9 at random and replaced, faults injected as the
+batch progresses, then what the surviving history says.
+
+Tasks are enqueued, and everything is read, through `direct`: a DSN that reaches the
+current primary (a replica set's multi-host DSN follows it).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from jobrunner.queue import Queue
+from jobrunner.validation import TaskSpec
+from tests.conftest import child_env, start_worker
+
+BATCH = "chaos"
+SCHEMA = """
+CREATE TABLE chaos_raw (id bigserial PRIMARY KEY, task_key text, shard_key text, attempt int,
+                        worker text, started_at timestamptz, ended_at timestamptz);
+CREATE TABLE chaos_effect (task_key text, attempt int, worker text);
+"""
+WORKER_ARGS = ("--exit-when-drained", "--visibility-timeout", "3", "--heartbeat", "1",
+               "--backoff-base", "0.05", "--backoff-cap", "0.5", "--log-level", "warning")
+N_SHARDS, N_WORKERS, N_POISON = 50, 8, 3
+
+
+@dataclass
+class Fault:
+    """An action taken once `at` tasks are finished and `ready()` says so."""
+
+    at: int
+    action: Callable[[], None]
+    ready: Callable[[], bool] = lambda: True
+
+
+@dataclass
+class Monitor:
+    """Samples live leases per shard from the table itself, on a direct connection."""
+
+    dsn: str
+    samples: int = 0
+    overlaps: list = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                with psycopg.connect(self.dsn, autocommit=True, connect_timeout=2) as conn:
+                    while not self.stop.is_set():
+                        rows = conn.execute(
+                            "SELECT shard_key, count(*) FROM agent_work_queue"
+                            " WHERE status = 'leased' AND shard_key IS NOT NULL"
+                            " GROUP BY shard_key HAVING count(*) > 1").fetchall()
+                        self.samples += 1
+                        self.overlaps.extend(rows)
+                        time.sleep(0.02)
+            except psycopg.Error:
+                time.sleep(0.2)
+
+
+@dataclass
+class SoakResult:
+    tasks: int  # designed to succeed (N_POISON more are designed to die)
+    kills: int
+    faults: int
+    elapsed: float
+    counts: dict[str, int]
+    stuck: int
+    dead_keys: list[str]
+    effects: int
+    duplicate_effects: int
+    # The ledger and the effects table, row for row (same task, attempt and worker):
+    # written in one transaction, they must survive or vanish together.
+    effects_without_ledger: int
+    ledger_without_effect: int
+    done_without_effect: int
+    raw: int
+    overlaps: list
+    samples: int
+    acked_overlaps: int
+
+    @property
+    def reexecutions(self) -> int:
+        return self.raw - self.tasks
+
+    @property
+    def lost_tasks(self) -> int:
+        return self.tasks + N_POISON - self.counts["done"] - self.counts["dead"]
+
+    def assert_nothing_lost_or_duplicated(self) -> None:
+        """What must hold after any of the faults: every task ended, none stuck, every
+        effect exactly once and with its ledger row, no two live leases of a shard."""
+        assert self.counts["leased"] == 0 and self.counts["pending"] == 0 and self.stuck == 0
+        assert self.counts["done"] == self.tasks
+        assert sorted(self.dead_keys) == [f"poison-{i}" for i in range(N_POISON)]
+        assert self.effects == self.tasks and self.duplicate_effects == 0
+        assert (self.effects_without_ledger, self.ledger_without_effect,
+                self.done_without_effect) == (0, 0, 0)
+        assert self.overlaps == [] and self.samples > 50
+        assert self.acked_overlaps == 0
+
+
+def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label: str,
+             faults: list[Fault], extra_env: dict[str, str] | None = None,
+             worker_args: tuple[str, ...] = WORKER_ARGS) -> SoakResult:
+    with psycopg.connect(direct, row_factory=dict_row) as conn:
+        conn.execute(SCHEMA)
+        conn.commit()
+        specs = [TaskSpec(f"t{i:05d}", {}, shard_key=f"shard-{i % N_SHARDS}", max_attempts=50)
+                 for i in range(tasks)]
+        specs += [TaskSpec(f"poison-{i}", {"poison": True}, shard_key=f"shard-{i}")
+                  for i in range(N_POISON)]
+        Queue(conn).enqueue(BATCH, "acme", specs)
+
+    env = child_env(worker_dsn, **(extra_env or {}))
+
+    def spawn(i: int):
+        size = "1" if i % 2 else "4"
+        return start_worker(worker_dsn, BATCH, "tests.support.chaos:handle", *worker_args,
+                            "--batch-size", size, env=env, log=tmp_path / f"{label}-w{i}.log")
+
+    monitor = Monitor(direct)
+    watcher = threading.Thread(target=monitor.run, daemon=True)
+    watcher.start()
+    workers = {i: spawn(i) for i in range(N_WORKERS)}
+    kills = applied = 0
+    plan = sorted(faults, key=lambda f: f.at)
+    started = time.monotonic()
+
+    def finished_count() -> int:
+        try:
+            with psycopg.connect(direct, connect_timeout=2) as c:
+                return c.execute("SELECT count(*) FROM agent_work_queue WHERE status IN"
+                                 " ('done', 'dead')").fetchone()[0]
+        except psycopg.Error:
+            return -1
+
+    rng = random.Random(7)
+    next_kill = time.monotonic() + rng.uniform(0.5, 2.0)
+    while time.monotonic() - started < 900:
+        finished = finished_count()
+        if finished >= tasks + N_POISON:
+            break
+        if plan and finished >= plan[0].at and plan[0].ready():
+            plan.pop(0).action()
+            applied += 1
+        if time.monotonic() >= next_kill:
+            victim = rng.choice([i for i, w in workers.items() if w.poll() is None] or [0])
+            if workers[victim].poll() is None:
+                os.killpg(workers[victim].pid, signal.SIGKILL)
+                workers[victim].wait()
+                kills += 1
+            workers[victim] = spawn(victim)
+            next_kill = time.monotonic() + rng.uniform(0.5, 2.0)
+        for i, w in list(workers.items()):
+            if w.poll() is not None and w.returncode != 0:
+                workers[i] = spawn(i)  # as a Job would replace a failed pod
+        time.sleep(0.1)
+    for w in workers.values():
+        if w.wait(120) != 0:
+            raise AssertionError(f"a worker exited with {w.returncode}")
+    monitor.stop.set()
+    watcher.join(5)
+    elapsed = time.monotonic() - started
+
+    with psycopg.connect(direct, row_factory=dict_row) as conn:
+        q = Queue(conn)
+        counts = q.counts(BATCH)
+        one = _reader(conn)
+        dup_effects = one("SELECT count(*) FROM (SELECT task_key FROM chaos_effect"
+                          " GROUP BY task_key HAVING count(*) > 1) d")
+        effects = one("SELECT count(*) FROM chaos_effect")
+        same_row = ("l.batch_id = %(batch)s AND l.task_key = e.task_key AND l.effect_key = 'effect'"
+                    " AND l.attempt = e.attempt AND l.lease_owner = e.worker")
+        effects_without_ledger = one(
+            "SELECT count(*) FROM chaos_effect e WHERE NOT EXISTS"
+            f" (SELECT 1 FROM agent_task_effect l WHERE {same_row})")
+        ledger_without_effect = one(
+            "SELECT count(*) FROM agent_task_effect l WHERE l.batch_id = %(batch)s"
+            f" AND NOT EXISTS (SELECT 1 FROM chaos_effect e WHERE {same_row})")
+        done_without_effect = one(
+            "SELECT count(*) FROM agent_work_queue q WHERE q.batch_id = %(batch)s"
+            " AND q.status = 'done' AND NOT EXISTS"
+            " (SELECT 1 FROM chaos_effect e WHERE e.task_key = q.task_key)")
+        raw = one("SELECT count(*) FROM chaos_raw")
+        # The executions that were acked (the final attempt of each done task, by the
+        # worker that acked it) must never have overlapped in time on a shard.
+        acked_overlaps = one("""
+            WITH acked AS (
+                SELECT r.shard_key, r.started_at, r.ended_at, r.task_key
+                FROM chaos_raw r JOIN agent_work_queue q
+                  ON q.task_key = r.task_key AND q.attempts = r.attempt
+                 AND q.lease_owner = r.worker
+                WHERE q.batch_id = %(batch)s AND q.status = 'done' AND r.ended_at IS NOT NULL)
+            SELECT count(*) FROM acked a JOIN acked b
+              ON a.shard_key = b.shard_key AND a.task_key < b.task_key
+             AND a.started_at < b.ended_at AND b.started_at < a.ended_at""")
+        stuck = q.health(BATCH)["stuck"]
+        dead_keys = [r["task_key"] for r in q.list_dead(BATCH)]
+    return SoakResult(tasks=tasks, kills=kills, faults=applied, elapsed=elapsed, counts=counts,
+                      stuck=stuck, dead_keys=dead_keys, effects=effects,
+                      duplicate_effects=dup_effects,
+                      effects_without_ledger=effects_without_ledger,
+                      ledger_without_effect=ledger_without_effect,
+                      done_without_effect=done_without_effect, raw=raw,
+                      overlaps=monitor.overlaps, samples=monitor.samples,
+                      acked_overlaps=acked_overlaps)
+
+
+def _reader(conn: psycopg.Connection) -> Callable[[str], Any]:
+    def one(sql: str) -> Any:
+        return next(iter(conn.execute(sql, {"batch": BATCH}).fetchone().values()))
+
+    return one
+
+
+def report(summary: str, tmp_path: Path, capsys: Any) -> None:
+    """The figure line: printed past pytest's capture, so it shows in any CI log."""
+    with capsys.disabled():
+        print("\n" + summary, flush=True)
+    (tmp_path / "summary.txt").write_text(summary + "\n")
