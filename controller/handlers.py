@@ -14,9 +14,11 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from jobrunner import reduce as reduce_step
 from jobrunner.errors import BadInput, UnknownBatch
 from jobrunner.manifest import BatchRunSpec, parse_batchrun
 from jobrunner.redact import redact_text
+from jobrunner.results import top_errors_status
 
 from . import metrics, pods
 from .conditions import get_condition, now_iso, set_condition
@@ -174,8 +176,12 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
                                            generation)
                 _event(body, "Normal", "Enqueued", message=message)
             queue.expire()  # rescue leases of dead pods even if no worker is left alive
+            # The reduce, if the batch settled and no worker enqueued it yet (the trigger
+            # is idempotent: any number of callers enqueue it once).
+            reduce = reduce_step.trigger(queue.conn, batch_id)
             counts = queue.counts(batch_id)
             counts["stuck"] = queue.health(batch_id)["stuck"]
+            new.update(_outcome_status(queue, st, batch_id, counts, reduce))
     except DatabaseProblem as problem:
         _database_problem(body, st, patch, conditions, milestones, new, problem, generation)
         raise kopf.TemporaryError(_safe(str(problem)),
@@ -198,7 +204,7 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
     new["activeDeadlineSource"] = ("spec" if run.active_deadline is not None
                                    else "default: max(1 day, 3 x visibilityTimeoutSeconds + 60)")
     new["startTime"] = st.get("startTime") or now_iso()
-    phase, reason, message = _phase(run, job, counts, batch_id)
+    phase, reason, message = _phase(run, job, counts, batch_id, reduce)
     if phase == "Running":
         conditions, stuck = _worker_health(body, job, conditions, generation)
         if stuck is not None:
@@ -235,13 +241,42 @@ def _settle_leases(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> No
 
 
 def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str) -> str:
+    reduce = f"; reduce: {run.reduce.describe()}" if run.reduce else ""
     if run.tasks is None:
         queue.batch(batch_id)  # source: external, the tasks must already be there
+        reduce_step.attach(queue.conn, batch_id, run.reduce)
         total = sum(queue.counts(batch_id).values())
-        return f"batch {batch_id}: {total} task(s) enqueued externally"
-    result = queue.enqueue(batch_id, run.tenant, run.tasks, max_attempts=run.max_attempts)
+        return f"batch {batch_id}: {total} task(s) enqueued externally{reduce}"
+    result = queue.enqueue(batch_id, run.tenant, run.tasks, max_attempts=run.max_attempts,
+                           reduce=run.reduce.as_json() if run.reduce else None)
     return (f"batch {batch_id}: {result.new} task(s) enqueued"
-            + (f", {result.existing} already there" if result.existing else ""))
+            + (f", {result.existing} already there" if result.existing else "") + reduce)
+
+
+def _outcome_status(queue: Any, st: dict[str, Any], batch_id: str, counts: dict[str, int],
+                    reduce: reduce_step.ReduceState | None) -> dict[str, Any]:
+    """What the run produced, for `kubectl describe`: the reduce's state, the batch's result
+    (at most 4 KiB; else where it is) and the most frequent errors of dead tasks (a dead
+    reduce task among them). Each read only when it can have changed."""
+    new: dict[str, Any] = {}
+    if reduce is not None and reduce.configured:
+        new["reduce"] = {k: v for k, v in {
+            "state": reduce.phase(counts), "step": reduce.spec.describe() if reduce.spec else None,
+            "onDead": reduce.spec.on_dead if reduce.spec else None,
+            "attempts": reduce.attempts,
+            "error": (reduce.last_error or "")[:1000] if reduce.task_status == "dead" else None,
+            "resultBytes": reduce.result_bytes}.items() if v is not None}
+        if reduce.reduced and "result" not in st:
+            found, value = reduce_step.status_result(queue.conn, batch_id)
+            if found:
+                new["result"] = value
+    failed_reduce = reduce is not None and reduce.task_status == "dead"
+    # (read again only when the dead tasks or the reduce's state changed)
+    changed = ((st.get("counts") or {}).get("dead") != counts["dead"]
+               or (st.get("reduce") or {}).get("state") != (new.get("reduce") or {}).get("state"))
+    if (counts["dead"] or failed_reduce) and (changed or not st.get("topErrors")):
+        new["topErrors"] = top_errors_status(queue.conn, batch_id)
+    return new
 
 
 def _database_problem(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
@@ -352,38 +387,54 @@ def _job_finished(job: Any) -> tuple[str, str, str] | None:
     return None
 
 
-def _phase(run: BatchRunSpec, job: Any, counts: dict[str, int],
-           batch_id: str) -> tuple[str, str, str]:
+def _phase(run: BatchRunSpec, job: Any, counts: dict[str, int], batch_id: str,
+           reduce: reduce_step.ReduceState | None = None) -> tuple[str, str, str]:
     summary = (f"{counts['done']}/{counts['total']} done, {counts['dead']} dead, "
                f"{counts['leased']} running, {counts['pending']} pending")
     finished = _job_finished(job)
     unfinished = counts["pending"] + counts["leased"]
+    reducing = reduce is not None and reduce.configured
     if finished and finished[0] == "Failed":
         return "Failed", finished[1], (f"Job failed ({finished[1]}: {finished[2]}); {summary}. "
                                        "Unfinished tasks stay in the queue: retry with a new "
                                        f"BatchRun with source: external and batchId {batch_id}")
     if finished:
-        if unfinished:
-            return "Failed", "WorkersExitedEarly", f"the Job completed with work left: {summary}"
-        if counts["dead"]:
+        if unfinished or (reducing and reduce.running):
+            what = "work" if unfinished else "its reduce"
+            return "Failed", "WorkersExitedEarly", (f"the Job completed with {what} left: "
+                                                    f"{summary}")
+        if reducing and reduce.phase(counts) == "failed":
+            return "Failed", "ReduceFailed", (f"reduce {reduce.describe(counts)}; see "
+                                              f"`jobrunner status --batch {batch_id}`; {summary}")
+        if counts["dead"] and not (reducing and reduce.reduced):
             return "Failed", "DeadTasks", (f"{counts['dead']} task(s) dead: see `jobrunner dead "
                                            f"list --batch {batch_id}`; {summary}")
         if counts["cancelled"]:
             return "Cancelled", "Cancelled", f"the batch was cancelled; {summary}"
+        if reducing:
+            if not reduce.reduced:
+                return "Failed", "ReduceNotRun", f"reduce {reduce.describe(counts)}; {summary}"
+            how = "included" if reduce.spec and reduce.spec.on_dead == "include" else "skipped"
+            dead = f"; {counts['dead']} dead task(s) {how}" if counts["dead"] else ""
+            return "Succeeded", "Reduced", (f"{summary}{dead}; reduced: the result is in "
+                                            f"status.result")
         return "Succeeded", "AllTasksDone", summary
     if run.suspend:
         return "Suspended", "Suspended", f"suspended: no new claims; {summary}"
+    if reducing and reduce.running:
+        return "Reducing", "Reducing", f"every task is terminal; reduce {reduce.describe(counts)}"
     return "Running", "Running", summary
 
 
 def _conditions(conditions: list[dict[str, Any]], phase: str, reason: str, message: str,
                 counts: dict[str, int], generation: int) -> list[dict[str, Any]]:
-    running = phase == "Running"
+    running = phase in ("Running", "Reducing")
     conditions = set_condition(conditions, "Progressing", running,
                                reason if running else phase, message, generation)
     # kstatus (Flux, kubectl wait): Reconciling while the batch runs, Stalled on failure,
     # Ready once it succeeded.
-    conditions = set_condition(conditions, "Reconciling", phase in ("Running", "Pending"),
+    conditions = set_condition(conditions, "Reconciling",
+                               phase in ("Running", "Reducing", "Pending"),
                                reason, message, generation)
     conditions = set_condition(conditions, "Stalled", phase == "Failed", reason, message,
                                generation)

@@ -10,7 +10,7 @@ TASKS = Gauge("jobrunner_batchrun_tasks", "Tasks of a BatchRun by status",
               ["namespace", "batchrun", "status"])
 RECONCILE_ERRORS = Counter("jobrunner_reconcile_errors_total",
                            "Reconciles that failed, by reason", ["reason"])
-PHASES = ("Pending", "Running", "Succeeded", "Failed", "Cancelled", "Suspended")
+PHASES = ("Pending", "Running", "Reducing", "Succeeded", "Failed", "Cancelled", "Suspended")
 
 
 def record(namespace: str, name: str, phase: str, counts: dict[str, int]) -> None:

@@ -140,6 +140,7 @@ def worker(
 ) -> None:
     """Claim and run tasks of one batch until stopped (or drained)."""
     from .handlers import make_handler
+    from .reduce import check_batch as check_reduce
     from .worker import WorkerConfig, default_worker_id, run_worker
 
     setup_logging(log_level, log_format)
@@ -154,6 +155,7 @@ def worker(
         idle_poll=(poll_interval * 0.4, poll_interval))
     with db.connect(dsn_value, purpose="jobrunner-worker") as conn:
         Queue(conn).batch(batch)  # unknown batch: a clear error before any thread starts
+        check_reduce(conn, batch)  # so is a reduce step that does not load
     code = run_worker(config)
     logging.shutdown()
     sys.stdout.flush()
@@ -167,20 +169,34 @@ def status(batch: BatchOpt,
            as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")
                               ] = False,
            dsn: DsnOpt = None) -> None:
-    """Counts per status, oldest pending age, stuck leases and the most frequent errors."""
+    """Counts per status, oldest pending age, stuck leases, the most frequent errors, and
+    the reduce step with the batch's result."""
+    from .local_runner import existing_database
+    from .reduce import STATUS_RESULT_BYTES, batch_result
+    from .reduce import state as reduce_state
     from .results import top_errors
 
-    q = _queue(dsn)
-    q.batch(batch)
-    counts = q.counts(batch)
-    health = q.health(batch)
-    top = top_errors(q.conn, batch) if counts["dead"] else []
-    used = q.usage(batch, by_status=False)  # tokens and cost (jobrunner/limits.py)
+    with existing_database(dsn) as url:
+        q = _queue(url)
+        q.batch(batch)
+        counts = q.counts(batch)
+        health = q.health(batch)
+        reduce = reduce_state(q.conn, batch)
+        failed = counts["dead"] or (reduce is not None and reduce.task_status == "dead")
+        top = top_errors(q.conn, batch) if failed else []  # (a dead reduce among them)
+        used = q.usage(batch, by_status=False)  # tokens and cost (jobrunner/limits.py)
+        result = batch_result(q.conn, batch, STATUS_RESULT_BYTES) if reduce and (
+            reduce.reduced) else None
+        q.conn.close()
     if as_json:
+        step = reduce.as_json(counts) if reduce else None
+        if step is not None:
+            # (as small as a BatchRun's status: a larger one with `results --reduce`)
+            step["result"] = result.value() if result and result.text is not None else None
         print(json.dumps({**counts, "total": sum(counts.values()), **health,
                           "top_errors": [group.as_json() for group in top],
                           "tokens": used.tokens, "cost": float(used.cost),
-                          "budget_exhausted": used.exhausted}))
+                          "budget_exhausted": used.exhausted, "reduce": step}))
         return
     table = Table(title=f"batch {batch}", show_header=True)
     for name in ("pending", "leased", "done", "dead", "cancelled", "total"):
@@ -193,6 +209,10 @@ def status(batch: BatchOpt,
               + ("   budget exhausted" if used.exhausted else ""))
     if top:
         out.print(top_errors_table(top))
+    if reduce is not None and reduce.configured:
+        out.print(f"reduce: {reduce.describe(counts)}", markup=False, highlight=False)
+        if result is not None and result.stored:
+            print_result_preview(batch, result)
 
 
 @dead_app.command("list")
@@ -271,7 +291,10 @@ def run(
                                dsn=dsn or os.environ.get(db.DSN_ENV)))
 
 
-from .cli_results import top_errors_table  # noqa: E402  (registers `results` on app)
+from .cli_results import (  # noqa: E402  (registers `results` on app)
+    print_result_preview,
+    top_errors_table,
+)
 
 
 def main() -> None:

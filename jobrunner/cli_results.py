@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import sys
@@ -11,12 +12,18 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, TextIO
 
+import psycopg
 import typer
 from rich.table import Table
 
 from . import db
 from .cli import BatchOpt, DsnOpt, app, err
-from .errors import BadInput
+from .cli import out as console
+from .errors import BadInput, JobrunnerError, UnknownBatch
+from .local_runner import existing_database
+from .queue import Queue
+from .reduce import BatchResult, batch_result, preview
+from .reduce import state as reduce_state
 from .results import ErrorGroup, export
 
 _BUFFER = 1 << 20  # written in large blocks: a million small writes cost more than the export
@@ -41,22 +48,58 @@ def results(
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Write here (replaced only once the export is complete) "
         "instead of standard output.")] = None,
+    reduce: Annotated[bool, typer.Option(
+        "--reduce", help="The batch's result (its reduce step's return value) instead: "
+        "text as it is, anything else as JSON.")] = False,
     dsn: DsnOpt = None,
 ) -> None:
     """Stream a batch's results (done tasks), or its errors, keyed by task key."""
-    with db.connect(db.resolve_dsn(dsn), purpose="jobrunner-results") as conn:
+    if reduce and (errors or fmt != ExportFormat.jsonl):
+        raise BadInput("--reduce writes the batch's result as it is: without --errors "
+                       "or --format")
+    with existing_database(dsn) as url, db.connect(url, purpose="jobrunner-results") as conn:
         try:
             with _destination(output) as out:
-                count = export(conn, batch, out, fmt=fmt.value, errors=errors)
+                if reduce:
+                    count = _write_batch_result(conn, batch, out)
+                else:
+                    count = export(conn, batch, out, fmt=fmt.value, errors=errors)
         except BrokenPipeError:
             # The reader went away (`jobrunner results ... | head`): not an error.
             with contextlib.suppress(OSError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return
     if output is not None:
-        what = "error(s)" if errors else "result(s)"
+        what = ("the result (bytes)" if reduce else "error(s)" if errors else "result(s)")
         err.print(f"wrote {count} {what} of batch {batch} to {output}", markup=False,
                   highlight=False)
+
+
+def _write_batch_result(conn: psycopg.Connection, batch: str, out: TextIO) -> int:
+    """The batch's result; an error (exit 1, nothing written) while there is none."""
+    found = batch_result(conn, batch)
+    if found is None:
+        raise UnknownBatch(batch)
+    if not found.stored or found.text is None:
+        st = reduce_state(conn, batch)
+        why = st.describe(Queue(conn).counts(batch)) if st else "no reduce step"
+        raise JobrunnerError(f"batch {batch} has no result: reduce {why}")
+    value = json.loads(found.text) if found.text.startswith('"') else None
+    text = value if isinstance(value, str) else found.text
+    out.write(text if text.endswith("\n") else text + "\n")
+    return found.size or 0
+
+
+def print_result_preview(batch: str, result: BatchResult, lines: int = 8) -> None:
+    """The first lines of a batch's result (a larger one than a status holds: where)."""
+    if result.text is None:
+        console.print(f"  result: {result.size:,} bytes; the whole of it: jobrunner "
+                      f"results --batch {batch} --reduce", markup=False, highlight=False)
+        return
+    for line in preview(result.value(), lines):
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"  (the whole result: jobrunner results --batch {batch} --reduce)",
+                  markup=False, highlight=False, style="dim")
 
 
 @contextlib.contextmanager

@@ -25,9 +25,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import IO, Any
 
 from .errors import BadInput, LeaseLost, PermanentError, RateLimited
 from .limits import EXIT_RATE_LIMITED, USAGE_FILE_ENV, read_usage_file
@@ -71,14 +72,15 @@ class PythonHandler:
         self.fn = load_callable(spec)
         self.is_async = inspect.iscoroutinefunction(self.fn)
 
-    def __call__(self, task: Task) -> Any:
+    def __call__(self, task: Task, *args: Any) -> Any:
+        # (args: what a reduce step gets after the task, its results; see reduce.py)
         if not self.is_async:
-            return self.fn(task)
-        return asyncio.run(self._run_async(task))
+            return self.fn(task, *args)
+        return asyncio.run(self._run_async(task, *args))
 
-    async def _run_async(self, task: Task) -> Any:
+    async def _run_async(self, task: Task, *args: Any) -> Any:
         # An async handler can really be stopped: cancel it when the lease is lost.
-        job = asyncio.ensure_future(self.fn(task))
+        job = asyncio.ensure_future(self.fn(task, *args))
         while not job.done():
             if task.lease_lost.is_set():
                 job.cancel()
@@ -103,7 +105,11 @@ class CommandHandler:
             self.argv = list(command)
         self.spec = " ".join(self.argv)
 
-    def __call__(self, task: Task) -> Any:
+    def __call__(self, task: Task, feed: Callable[[IO[bytes]], None] | None = None) -> Any:
+        """Run the command for one task. `feed` writes its standard input instead of the
+        payload (a reduce step streams its results): on a thread of its own, so that a
+        command that reads slowly, or not at all, never keeps the lease from being
+        watched; a command that exits without reading everything just ends the feed."""
         env = dict(os.environ)
         env.update({
             "JOBRUNNER_TASK_ID": str(task.id),
@@ -121,17 +127,26 @@ class CommandHandler:
             env[USAGE_FILE_ENV] = usage_path
             proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=out, stderr=err,
                                     env=env, start_new_session=True)
+            assert proc.stdin is not None
+            feeder = None
+            if feed is None:
+                try:
+                    proc.stdin.write(json.dumps(task.payload).encode())
+                    proc.stdin.close()
+                except BrokenPipeError:
+                    pass
+            else:
+                feeder = _Feeder(proc.stdin, feed)
+                feeder.start()
             try:
-                assert proc.stdin is not None
-                proc.stdin.write(json.dumps(task.payload).encode())
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
-            while proc.poll() is None:
-                if task.lease_lost.is_set():
-                    _kill_group(proc)
-                    raise LeaseLost(f"task {task.key!r}: lease lost, command killed")
-                time.sleep(_POLL)
+                while proc.poll() is None:
+                    if task.lease_lost.is_set():
+                        _kill_group(proc)
+                        raise LeaseLost(f"task {task.key!r}: lease lost, command killed")
+                    time.sleep(_POLL)
+            finally:
+                if feeder is not None:
+                    feeder.finish()
             out.seek(0)
             err.seek(0)
             stdout = out.read(1024 * 1024).decode(errors="replace")
@@ -156,6 +171,35 @@ class CommandHandler:
         if code < 0:
             raise RetryableError(f"command killed by signal {-code}{detail}")
         raise PermanentError(f"command failed with exit code {code}{detail}")
+
+
+class _Feeder(threading.Thread):
+    """Writes a command's standard input from `feed`; the pipe's end (the command exited
+    or was killed) ends it quietly. An error of the feed itself is raised by finish()."""
+
+    def __init__(self, pipe: IO[bytes], feed: Callable[[IO[bytes]], None]) -> None:
+        super().__init__(name="command-stdin", daemon=True)
+        self.pipe, self.feed = pipe, feed
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.feed(self.pipe)
+        except (BrokenPipeError, ValueError):  # (ValueError: the pipe was closed under it)
+            pass
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                self.pipe.close()
+
+    def finish(self) -> None:
+        # The command is gone, so a write in progress fails with EPIPE and the thread
+        # ends; unless a process it left behind still holds its stdin open: then the
+        # feed is abandoned (a daemon thread) rather than the task held up.
+        self.join(10)
+        if self.error is not None:
+            raise self.error
 
 
 @contextlib.contextmanager

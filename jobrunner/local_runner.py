@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +29,12 @@ from rich.progress import (
 from rich.table import Table
 
 from . import db
+from . import reduce as reduce_step
 from .embedded import EmbeddedPostgres
 from .manifest import BatchRunSpec, load_manifest
 from .migrate import migrate
 from .queue import Queue
+from .reduce import check_loadable
 
 MAX_RESTARTS_PER_WORKER = 6
 console = Console(stderr=False)
@@ -47,6 +51,10 @@ def run_local(manifest: Path, *, workers: int | None, batch: str | None, data_di
               dsn: str | None) -> int:
     spec = load_manifest(manifest)
     batch_id = batch or spec.batch_id or f"local/{spec.name}"
+    if spec.reduce is not None:
+        # Loaded as the workers will load it: a reduce step that does not load is refused
+        # before anything is written (not discovered once every task has run).
+        check_loadable(spec.reduce, _import_paths(manifest))
     server = None
     if not dsn:
         server = EmbeddedPostgres(data_dir)
@@ -55,23 +63,61 @@ def run_local(manifest: Path, *, workers: int | None, batch: str | None, data_di
         console.print(f"[dim]embedded PostgreSQL on 127.0.0.1:{server.port} "
                       f"(data: {server.root})[/]")
     try:
-        return _run(spec, manifest, batch_id, dsn, workers or spec.workers)
+        return _run(spec, manifest, batch_id, dsn, workers or spec.workers,
+                    dsn_given=server is None)
     finally:
         if server is not None:
             server.stop()
 
 
-def _run(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, n_workers: int) -> int:
+@contextmanager
+def existing_database(dsn: str | None) -> Iterator[str]:
+    """The database to read a batch from: --dsn or $JOBRUNNER_DATABASE_URL; without
+    either, the embedded PostgreSQL that `jobrunner run` used (started for the command and
+    stopped after it, unless it was running already)."""
+    if dsn or os.environ.get(db.DSN_ENV):
+        yield db.resolve_dsn(dsn)
+        return
+    try:
+        server = EmbeddedPostgres()
+        found = (server.data / "PG_VERSION").exists()
+    except ImportError:  # (no [local] extra: there is no embedded server to read)
+        found = False
+    if not found:
+        yield db.resolve_dsn(dsn)  # the usual error: no database
+        return
+    was_running = server.is_running()
+    url = server.start()
+    try:
+        yield url
+    finally:
+        if not was_running:
+            server.stop()
+
+
+def _import_paths(manifest: Path) -> list[str]:
+    """What the workers can import from: the manifest's folder and its parent, so
+    `handler: mymodule:fn` next to the manifest (or `examples.mymodule:fn` from the
+    repository) works, and the current directory."""
+    folder = manifest.resolve().parent
+    return [str(folder), str(folder.parent), os.getcwd()]
+
+
+def _run(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, n_workers: int, *,
+         dsn_given: bool) -> int:
     with db.connect(dsn, purpose="jobrunner-run") as conn:
         migrate(conn)
         queue = Queue(conn)
+        step = spec.reduce.as_json() if spec.reduce else None
         if spec.tasks is not None:
             result = queue.enqueue(batch_id, spec.tenant, spec.tasks,
-                                   max_attempts=spec.max_attempts)
+                                   max_attempts=spec.max_attempts, reduce=step)
             console.print(f"batch [bold]{batch_id}[/]: {result.new} task(s) enqueued, "
-                          f"{result.existing} already there")
+                          f"{result.existing} already there"
+                          + (f"; reduce: {spec.reduce.describe()}" if spec.reduce else ""))
         else:
             queue.batch(batch_id)
+            reduce_step.attach(conn, batch_id, spec.reduce)
         start = time.monotonic()
         done_before = queue.counts(batch_id)["done"]
         procs = [_Proc(i, _spawn(spec, manifest, batch_id, dsn, i)) for i in range(n_workers)]
@@ -90,7 +136,8 @@ def _run(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, n_workers:
                 except subprocess.TimeoutExpired:
                     p.popen.kill()
         elapsed = time.monotonic() - start
-        return _summary(queue, batch_id, elapsed, n_workers, procs, interrupted, done_before)
+        return _summary(queue, batch_id, elapsed, n_workers, procs, interrupted, done_before,
+                        dsn_given)
 
 
 def _spawn(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, index: int
@@ -98,10 +145,7 @@ def _spawn(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, index: i
     env = dict(os.environ)
     env["JOBRUNNER_DATABASE_URL"] = dsn  # never on the command line, where ps shows it
     env["JOBRUNNER_WORKER_ID"] = f"local-{index}"
-    # The manifest's folder and its parent are importable, so `handler: mymodule:fn` next
-    # to the manifest (or `examples.mymodule:fn` from the repository) works.
-    folder = manifest.resolve().parent
-    paths = [str(folder), str(folder.parent), os.getcwd(), env.get("PYTHONPATH", "")]
+    paths = [*_import_paths(manifest), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     args = [sys.executable, "-m", "jobrunner", "worker", "--batch", batch_id,
             "--exit-when-drained", "--log-level", "warning", *spec.worker_args()]
@@ -116,11 +160,14 @@ def _watch(queue: Queue, batch_id: str, procs: list[_Proc], spec: BatchRunSpec,
            manifest: Path, dsn: str) -> None:
     columns = [BarColumn(bar_width=24), MofNCompleteColumn(),
                TextColumn("dead [red]{task.fields[dead]}[/] · in flight {task.fields[leased]} · "
-                          "retrying {task.fields[retrying]} · {task.fields[rate]}"),
+                          "retrying {task.fields[retrying]} · {task.fields[rate]}"
+                          "{task.fields[reduce]}"),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     started = time.monotonic()
+    reducing = spec.reduce is not None
     with Progress(*columns, console=console, transient=False, refresh_per_second=8) as progress:
-        bar = progress.add_task("", total=None, dead=0, leased=0, retrying=0, rate="")
+        bar = progress.add_task("", total=None, dead=0, leased=0, retrying=0, rate="",
+                                reduce="")
         first_done: int | None = None
         while True:
             counts = queue.counts(batch_id)
@@ -131,9 +178,13 @@ def _watch(queue: Queue, batch_id: str, procs: list[_Proc], spec: BatchRunSpec,
             rate = (counts["done"] - first_done) / elapsed
             health = queue.health(batch_id)
             retrying = counts["pending"] - health["ready"]
+            phase = ""
+            if reducing:
+                st = reduce_step.state(queue.conn, batch_id)
+                phase = f" · reduce: {st.phase(counts)}" if st else ""
             progress.update(bar, total=total, completed=finished, dead=counts["dead"],
                             leased=counts["leased"], retrying=retrying,
-                            rate=f"{rate:.1f}/s")
+                            rate=f"{rate:.1f}/s", reduce=phase)
             alive = [p for p in procs if p.popen.poll() is None]
             for p in procs:
                 code = p.popen.poll()
@@ -143,16 +194,19 @@ def _watch(queue: Queue, batch_id: str, procs: list[_Proc], spec: BatchRunSpec,
                     alive.append(p)
             if not alive:
                 counts = queue.counts(batch_id)
+                st = reduce_step.state(queue.conn, batch_id) if reducing else None
                 progress.update(bar, total=sum(counts.values()),
                                 completed=counts["done"] + counts["dead"] + counts["cancelled"],
-                                dead=counts["dead"], leased=counts["leased"])
+                                dead=counts["dead"], leased=counts["leased"],
+                                reduce=f" · reduce: {st.phase(counts)}" if st else "")
                 return
             time.sleep(0.25)
 
 
 def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs: list[_Proc],
-             interrupted: bool, done_before: int) -> int:
+             interrupted: bool, done_before: int, dsn_given: bool) -> int:
     counts = queue.counts(batch_id)
+    reduce = reduce_step.state(queue.conn, batch_id)
     stats = queue.conn.execute(
         "SELECT coalesce(sum(attempts), 0) AS attempts, count(*) AS tasks,"
         " percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - created_at))"
@@ -175,6 +229,8 @@ def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs:
         ("throughput", f"{(counts['done'] - done_before) / elapsed:.1f} tasks/s"
          if elapsed else "-"),
     ]
+    if reduce is not None and reduce.configured:
+        rows.insert(6, ("reduce", reduce.phase(counts)))
     for name, value in rows:
         table.add_row(name, str(value))
     console.print(table)
@@ -184,11 +240,42 @@ def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs:
                       f"{batch_id}`):")
         for row in dead:
             console.print(f"  {row['task_key']}: {(row['last_error'] or '')[:160]}")
-    if total and counts["done"] == done_before == total:
+    if total and counts["done"] == done_before == total and (
+            reduce is None or not reduce.configured or reduce.reduced):
         console.print(f"batch {batch_id} was already complete: nothing to do. Run it again "
                       "under a new id with --batch NEW-ID.")
+    failed, reduced = _reduce_report(queue, batch_id, reduce, counts)
+    dsn_flag = " --dsn DSN" if dsn_given and not os.environ.get(db.DSN_ENV) else ""
+    if reduced:
+        console.print(f"the whole result:  [bold]jobrunner results --batch {batch_id} "
+                      f"--reduce{dsn_flag}[/]", highlight=False)
+    if counts["done"]:
+        console.print(f"export everything: [bold]jobrunner results --batch {batch_id} "
+                      f"--output results.jsonl{dsn_flag}[/]", highlight=False)
     if interrupted:
         return 130
-    if counts["pending"] or counts["leased"]:
+    if counts["pending"] or counts["leased"] or (reduce is not None and reduce.running):
         return 1
-    return 3 if counts["dead"] else 0
+    return 3 if counts["dead"] or failed else 0
+
+
+def _reduce_report(queue: Queue, batch_id: str, reduce: reduce_step.ReduceState | None,
+                   counts: dict[str, int]) -> tuple[bool, bool]:
+    """The reduce's outcome, and the first lines of the batch's result; returns (the
+    reduce failed, there is a result)."""
+    if reduce is None or not reduce.configured:
+        return False, False
+    phase = reduce.phase(counts)
+    style = {"done": "green", "failed": "red", "skipped": "red"}.get(phase, "yellow")
+    console.print(f"reduce: [{style}]{reduce.describe(counts)}[/]", highlight=False)
+    # (a preview of a huge result is not worth reading it whole: its size says enough)
+    found = (reduce_step.batch_result(queue.conn, batch_id, max_bytes=1 << 20)
+             if reduce.reduced else None)
+    if found is None or not found.stored:
+        return phase in ("failed", "skipped"), False
+    if found.text is None:
+        return False, True
+    console.print(f"[bold]result of batch {batch_id}[/] (first lines):", highlight=False)
+    for line in reduce_step.preview(found.value(), lines=10, width=console.width - 4):
+        console.print(f"  {line}", markup=False, highlight=False)
+    return False, True

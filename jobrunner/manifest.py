@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from .errors import BadInput
+from .reduce import ReduceSpec, parse_reduce
 from .validation import (
     MAX_ATTEMPTS_LIMIT,
     TaskSpec,
@@ -32,7 +33,7 @@ SPEC_FIELDS = {
     "tenant", "batchId", "shards", "shardRange", "source", "workers", "concurrency",
     "batchSize", "visibilityTimeoutSeconds", "heartbeatSeconds", "maxAttempts",
     "backoffBaseSeconds", "backoffCapSeconds", "activeDeadlineSeconds", "handler",
-    "command", "template", "database", "suspend",
+    "command", "template", "database", "suspend", "reduce",
 }
 
 # spec.template: a subset of the Kubernetes PodTemplate, with Kubernetes' own names.
@@ -96,6 +97,7 @@ class BatchRunSpec:
     template: Mapping[str, Any] = field(default_factory=dict)
     database: Mapping[str, Any] = field(default_factory=dict)
     suspend: bool = False
+    reduce: ReduceSpec | None = None  # runs once after every task (jobrunner/reduce.py)
 
     def effective_deadline(self) -> int:
         """The Job's activeDeadlineSeconds: the user's, or a safe default that outlives any
@@ -229,6 +231,7 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest") -> BatchRun
     suspend = spec.get("suspend", False)
     if not isinstance(suspend, bool):
         raise BadInput(f"{where}: spec.suspend must be true or false")
+    max_attempts = _int(spec, "maxAttempts", 8, 1, MAX_ATTEMPTS_LIMIT, where) or 8
 
     return BatchRunSpec(
         name=name, namespace=meta.get("namespace") or "default", tenant=tenant,
@@ -237,10 +240,11 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest") -> BatchRun
         concurrency=_int(spec, "concurrency", 1, 1, 100, where) or 1,
         batch_size=_int(spec, "batchSize", 1, 1, 1000, where) or 1,
         visibility_timeout=vis, heartbeat=heartbeat,
-        max_attempts=_int(spec, "maxAttempts", 8, 1, MAX_ATTEMPTS_LIMIT, where) or 8,
+        max_attempts=max_attempts,
         backoff_base=base, backoff_cap=cap, active_deadline=deadline,
         handler=handler, command=tuple(command) if command else None,
-        template=template, database=database, suspend=suspend)
+        template=template, database=database, suspend=suspend,
+        reduce=parse_reduce(spec.get("reduce"), where, max_attempts))
 
 
 def _tasks(spec: Mapping[str, Any], kind: str, where: str) -> tuple[TaskSpec, ...] | None:

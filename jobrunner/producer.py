@@ -30,6 +30,7 @@ from .connection import QueueConnection
 from .effects import Effects
 from .executor import Executor
 from .queue import Lease, Outcome, Queue
+from .reduce import drain_open
 from .task import Task
 from .workerstate import Running, WorkerState
 
@@ -163,7 +164,8 @@ class Producer:
             return self.config.concurrency - state.active
 
     def _batch_open(self) -> bool:
-        return self.conn.run(lambda q: q.batch_open(self.claim.batch_id), "drain check")
+        # (a reduce still to run keeps the batch open: reduce.drain_open enqueues it)
+        return self.conn.run(lambda q: drain_open(q, self.claim.batch_id), "drain check")
 
     # -- handing tasks to the executor -----------------------------------------------
     def _start_from_buffer(self) -> None:

@@ -24,6 +24,7 @@ from .errors import BadInput, UnknownBatch
 from .prepared import PreparedStatement
 from .sqlfiles import query
 from .validation import (
+    REDUCE_KEY,
     TaskSpec,
     check_identifier,
     check_limit_names,
@@ -225,13 +226,16 @@ class Queue:
     # -- enqueue -------------------------------------------------------------------
     def enqueue(self, batch_id: str, tenant_id: str, tasks: Iterable[TaskSpec],
                 max_attempts: int = 8, *, limits: Sequence[str] | None = None,
-                tokens: int | None = None) -> EnqueueResult:
+                tokens: int | None = None,
+                reduce: dict[str, Any] | None = None) -> EnqueueResult:
         """Add tasks to a batch; tasks whose key already exists are left as they are.
 
         `limits` and `tokens` are the batch's defaults (a BatchRun's): a task that names
         no limits of its own draws from `limits`, and one without its own estimate is
         charged `tokens`. Every limit named must exist (docs/flow-control.md), or
-        nothing is written.
+        nothing is written. `reduce` (jobrunner/reduce.py, ReduceSpec.as_json()) gives the
+        batch its reduce step in the same transaction; once that reduce was enqueued, new
+        tasks are refused (they would never be reduced).
 
         All rows are validated and encoded before the transaction starts; the insert
         itself is a COPY into a temporary table and one INSERT ... ON CONFLICT DO
@@ -247,6 +251,8 @@ class Queue:
         seen: set[str] = set()
         for task in tasks:
             key = check_identifier(task.key, "task key")
+            if key == REDUCE_KEY:
+                raise BadInput(f"task key {key!r} is reserved for the batch's reduce step")
             if key in seen:
                 raise BadInput(f"duplicate task key {key!r} in one enqueue")
             seen.add(key)
@@ -279,9 +285,19 @@ class Queue:
                 copy.set_types(["text", "text", "text", "int4", "text[]", "int8"])
                 for row in rows:
                     copy.write_row(row)
+            if reduce is not None:
+                self._execute(query("batch_set_reduce"),
+                              {"batch_id": batch_id, "reduce": json.dumps(reduce)})
             new = self._execute(query("enqueue_from_stage"),
                                     {"batch_id": batch_id, "tenant_id": tenant_id}
                                     ).fetchone()["new"]
+            # (a new statement: ensure_batch locked the batch row, so a reduce enqueued
+            # before is visible, and none can be enqueued until this commits)
+            if new and self._execute(query("batch_reduce_enqueued"),
+                                     {"batch_id": batch_id}).fetchone()["enqueued"]:
+                raise BadInput(f"batch {batch_id!r} was reduced already: its reduce step ran "
+                               "(or is running) over the tasks it had; enqueue under a new "
+                               "batch id")
             if new:
                 self._execute(query("notify_batch"), {"batch_id": batch_id})
         return EnqueueResult(new=new, existing=len(rows) - new)

@@ -75,11 +75,14 @@ def rows(conn: psycopg.Connection, batch_id: str, *, errors: bool = False,
     with conn.transaction():
         if conn.execute(query("get_batch"), {"batch_id": batch_id}).fetchone() is None:
             raise UnknownBatch(batch_id)
-    return _stream(conn, "export_errors" if errors else "export_results", batch_id, itersize)
+    return stream(conn, "export_errors" if errors else "export_results",
+                  {"batch_id": batch_id}, itersize)
 
 
-def _stream(conn: psycopg.Connection, name: str, batch_id: str,
-            itersize: int) -> Iterator[tuple]:
+def stream(conn: psycopg.Connection, name: str, params: dict[str, Any],
+           itersize: int = ITERSIZE) -> Iterator[tuple]:
+    """The rows of the named query, through a server-side cursor in one read-only
+    transaction (held until the generator is exhausted or closed)."""
     with conn.transaction():
         # Read-only: it cannot take a lock that it would hold for the whole export. UTC
         # timestamps whatever the server's or the role's TimeZone.
@@ -87,7 +90,7 @@ def _stream(conn: psycopg.Connection, name: str, batch_id: str,
         conn.execute("SELECT set_config('TimeZone', 'UTC', true)")
         with conn.cursor(name="jobrunner_export", row_factory=tuple_row) as cursor:
             cursor.itersize = itersize
-            cursor.execute(query(name), {"batch_id": batch_id})
+            cursor.execute(query(name), params)
             yield from cursor
 
 

@@ -20,6 +20,8 @@ MAX_ID_CHARS = 256
 MAX_ATTEMPTS_LIMIT = 1000
 MAX_LIMITS_PER_TASK = 16
 MAX_TOKENS = 10**15  # a token estimate or report past this is a bug, not a workload
+# The key of a batch's reduce task (jobrunner/reduce.py): no task of a batch may use it.
+REDUCE_KEY = "__reduce__"
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from .heartbeat import Heartbeat
 from .maintenance import LeaseRescuer
 from .producer import Producer
 from .queue import Timing
+from .reduce import WithReduce
 from .task import Task
 from .workerstate import WorkerState
 
@@ -124,11 +125,14 @@ class Worker:
                                     config.worker_id, self.state.force_stop)
         self.completer = Completer(self.state, self.conn, config.worker_id,
                                    config.max_ack_delay)
-        self.executor = Executor(self.state, self.completer, config.handler,
+        # (the batch's reduce task, when it comes, runs the batch's reduce step)
+        self.executor = Executor(self.state, self.completer,
+                                 WithReduce(config.handler, config.dsn),
                                  config.concurrency, config.lost_lease_grace)
         self.producer = Producer(config, self.state, self.conn, self.completer,
                                  self.executor, self.effects)
-        self.heartbeat = Heartbeat(config, self.state, LeaseRescuer(config.expire_interval))
+        self.heartbeat = Heartbeat(config, self.state,
+                                   LeaseRescuer(config.expire_interval, config.batch_id))
         self._threads: list[threading.Thread] = []
 
     @property

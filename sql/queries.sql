@@ -663,7 +663,8 @@ SELECT batch_id, tenant_id, created_at, cancelled_at FROM agent_batch WHERE batc
 -- Each unfinished status from the small index that holds only that status, done as the
 -- rest of the batch's task count, all in one snapshot (see migration 0009): the cost
 -- grows with the unfinished rows, not with the batch. (MATERIALIZED: otherwise each
--- count is run once more for the done column.)
+-- count is run once more for the done column.) The reduce task (migration 0011) is not
+-- one of the batch's tasks: it is not in `tasks`, and is taken out of its status here.
 WITH c AS MATERIALIZED (SELECT
     coalesce((SELECT tasks FROM agent_batch WHERE batch_id = %(batch_id)s), 0) AS tasks,
     (SELECT count(*) FROM agent_work_queue
@@ -673,9 +674,17 @@ WITH c AS MATERIALIZED (SELECT
     (SELECT count(*) FROM agent_work_queue
       WHERE batch_id = %(batch_id)s AND status = 'dead')      AS dead,
     (SELECT count(*) FROM agent_work_queue
-      WHERE batch_id = %(batch_id)s AND status = 'cancelled') AS cancelled)
+      WHERE batch_id = %(batch_id)s AND status = 'cancelled') AS cancelled,
+    (SELECT status::text FROM agent_work_queue
+      WHERE batch_id = %(batch_id)s AND task_key = '__reduce__') AS reduce),
+own AS (SELECT tasks,
+    pending - (reduce IS NOT DISTINCT FROM 'pending')::int AS pending,
+    leased - (reduce IS NOT DISTINCT FROM 'leased')::int AS leased,
+    dead - (reduce IS NOT DISTINCT FROM 'dead')::int AS dead,
+    cancelled - (reduce IS NOT DISTINCT FROM 'cancelled')::int AS cancelled
+    FROM c)
 SELECT pending, leased, tasks - pending - leased - dead - cancelled AS done, dead, cancelled
-FROM c;
+FROM own;
 
 -- name: batch_health
 -- stuck: leased past the deadline and not rescued (should always be 0 while any
@@ -733,11 +742,13 @@ archived AS (
 deleted AS (
     DELETE FROM agent_work_queue q
     WHERE q.id = ANY(ARRAY(SELECT id FROM old))
-    RETURNING q.id, q.batch_id
+    RETURNING q.id, q.batch_id, q.task_key
 ),
 uncounted AS (
+    -- (a reduce task was never counted: migration 0011)
     UPDATE agent_batch b SET tasks = b.tasks - d.n
-    FROM (SELECT batch_id, count(*) AS n FROM deleted GROUP BY batch_id) d
+    FROM (SELECT batch_id, count(*) FILTER (WHERE task_key <> '__reduce__') AS n
+          FROM deleted GROUP BY batch_id) d
     WHERE b.batch_id = d.batch_id
 )
 SELECT id FROM deleted;
@@ -763,18 +774,21 @@ SELECT EXISTS (SELECT 1 FROM agent_work_queue
 -- task_key) index gives that order without a sort, and a cursor's plan prefers it.
 -- The result comes as JSON text and finished_at as ISO 8601 text (the export sets the
 -- transaction's TimeZone to UTC): the exporter writes them through without decoding.
+-- The reduce task is not a result: its return value is the batch's (batch_result).
 SELECT q.task_key, q.status::text, q.result::text, q.attempts,
        to_json(q.finished_at) #>> '{}' AS finished_at
 FROM agent_work_queue q
-WHERE q.batch_id = %(batch_id)s AND q.status = 'done'
+WHERE q.batch_id = %(batch_id)s AND q.status = 'done' AND q.task_key <> '__reduce__'
 ORDER BY q.task_key;
 
 -- name: export_errors
--- The tasks that ended without a result: dead (their last error) and cancelled.
+-- The tasks that ended without a result: dead (their last error) and cancelled. (A
+-- dead reduce task is the batch's failure, shown by status and top_errors, not a line.)
 SELECT q.task_key, q.status::text, q.last_error, q.attempts,
        to_json(q.finished_at) #>> '{}' AS finished_at
 FROM agent_work_queue q
 WHERE q.batch_id = %(batch_id)s AND q.status IN ('dead', 'cancelled')
+  AND q.task_key <> '__reduce__'
 ORDER BY q.task_key;
 
 -- name: top_errors
@@ -1001,3 +1015,91 @@ FROM agent_task_usage u LEFT JOIN agent_work_queue q ON q.id = u.task_id
 WHERE u.batch_id = %(batch_id)s
 GROUP BY 1
 ORDER BY 1;
+
+-- ---------------------------------------------------------------------------------
+-- Reduce (jobrunner/reduce.py, docs/results.md): one task per batch, key '__reduce__',
+-- inserted only once every other task of the batch is terminal. Completion is decided
+-- from the rows (jobrunner_batch_settled, migration 0011), never from a counter; the
+-- insert is idempotent on (batch_id, task_key) and marked on the batch in the same
+-- statement, so any number of callers, at any time, enqueue it at most once.
+
+-- name: batch_set_reduce
+-- The batch's reduce step (in the enqueue's transaction, or by the operator for a batch
+-- enqueued elsewhere). Unchanged: no write.
+UPDATE agent_batch SET reduce = %(reduce)s::jsonb
+WHERE batch_id = %(batch_id)s AND reduce IS DISTINCT FROM %(reduce)s::jsonb;
+
+-- name: batch_reduce_enqueued
+-- Inside an enqueue, after ensure_batch locked the batch: whether its reduce was
+-- enqueued already (then new tasks would never be reduced: the enqueue is refused).
+SELECT reduce_enqueued_at IS NOT NULL AS enqueued FROM agent_batch
+WHERE batch_id = %(batch_id)s;
+
+-- name: reduce_state
+-- Lock-free: the batch's reduce step, its task (if any) and whether it is due now (the
+-- pre-check every caller runs before taking the batch's lock in reduce_lock_batch).
+SELECT b.reduce, b.cancelled_at IS NOT NULL AS cancelled, b.reduce_enqueued_at,
+       b.reduced_at, b.result_bytes,
+       r.status::text AS task_status, r.attempts, r.max_attempts, r.last_error,
+       CASE WHEN b.reduce IS NULL OR b.cancelled_at IS NOT NULL
+                 OR b.reduce_enqueued_at IS NOT NULL THEN false
+            ELSE jobrunner_batch_settled(b.batch_id, b.reduce->>'onDead') END AS due
+FROM agent_batch b
+LEFT JOIN agent_work_queue r ON r.batch_id = b.batch_id AND r.task_key = '__reduce__'
+WHERE b.batch_id = %(batch_id)s;
+
+-- name: reduce_lock_batch
+-- The trigger's first statement: lock the batch row until commit. Enqueue (ensure_batch)
+-- and cancel_batch write that row, so they wait for the trigger's commit, or it waits for
+-- theirs; reduce_enqueue then reads in a new snapshot (READ COMMITTED), in which every
+-- enqueue or cancel that committed before the lock is visible.
+SELECT batch_id FROM agent_batch WHERE batch_id = %(batch_id)s FOR NO KEY UPDATE;
+
+-- name: reduce_enqueue
+-- The trigger: insert the reduce task if the batch has a reduce, is not cancelled, was
+-- never reduced, and every other task is terminal (with onDead fail: none dead). Returns
+-- the new task's id, or nothing.
+WITH due AS (
+    SELECT b.batch_id, b.tenant_id, b.reduce
+    FROM agent_batch b
+    WHERE b.batch_id = %(batch_id)s
+      AND b.reduce IS NOT NULL AND b.cancelled_at IS NULL AND b.reduce_enqueued_at IS NULL
+      AND jobrunner_batch_settled(b.batch_id, b.reduce->>'onDead')
+),
+marked AS (
+    UPDATE agent_batch b SET reduce_enqueued_at = now()
+    FROM due WHERE b.batch_id = due.batch_id
+),
+inserted AS (
+    INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, payload, max_attempts)
+    SELECT batch_id, tenant_id, '__reduce__', jsonb_build_object('reduce', reduce),
+           coalesce((reduce->>'maxAttempts')::int, 8)
+    FROM due
+    ON CONFLICT (batch_id, task_key) DO NOTHING
+    RETURNING id
+)
+SELECT id FROM inserted;
+
+-- name: reduce_inputs
+-- What the reduce handler iterates over, in task key order (the unique index's order,
+-- read through a server-side cursor): done tasks, and with onDead include the dead ones.
+SELECT q.task_key, q.status::text, q.result::text, q.last_error, q.attempts
+FROM agent_work_queue q
+WHERE q.batch_id = %(batch_id)s AND q.task_key <> '__reduce__'
+  AND (q.status = 'done' OR (%(include_dead)s AND q.status = 'dead'))
+ORDER BY q.task_key;
+
+-- name: reduce_store_result
+-- Inside the reduce task's effect transaction (fenced on its lease, recorded in the
+-- ledger): the batch's result, written at most once.
+UPDATE agent_batch
+SET result = %(result)s::jsonb, result_bytes = %(bytes)s, reduced_at = now()
+WHERE batch_id = %(batch_id)s;
+
+-- name: batch_result
+-- The batch's result as JSON text: whole, or only when it is at most max_bytes (NULL:
+-- any size), so that a status refresh never reads a large one.
+SELECT reduced_at, result_bytes,
+       CASE WHEN %(max_bytes)s::bigint IS NULL OR result_bytes <= %(max_bytes)s::bigint
+            THEN result::text END AS result
+FROM agent_batch WHERE batch_id = %(batch_id)s;

@@ -1,4 +1,6 @@
-"""Chunked summarisation: one task per chunk of a document in the bundled corpus.
+"""Chunked summarisation as map-reduce: one task per chunk of a document in the bundled
+corpus (summarise_chunk), then the batch's reduce step (digest): one digest per document
+from its chunks' summaries, and an overall digest from those.
 
 Offline by default: a deterministic extractive summariser (sentence scoring by word
 frequency). When JOBRUNNER_LLM_BASE_URL is set, an OpenAI-compatible chat completions
@@ -13,12 +15,13 @@ endpoint becomes RateLimited with its Retry-After, which pauses the limit named 
 JOBRUNNER_LLM_LIMIT (default: every limit the task names) for every worker without
 using an attempt.
 
-Each summary is stored through the effects helper (`task.once`), so a retry after a
-crash never writes it twice.
+Each summary, and each document's digest, is stored through the effects helper
+(`task.once`), so a retry after a crash never writes it twice.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -26,7 +29,9 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from psycopg.types.json import Jsonb
 
@@ -74,13 +79,13 @@ def approx_tokens(text: str) -> int:
     return max(1, len(text) // 4)
 
 
-def llm_summary(text: str, idempotency_key: str) -> tuple[str, dict]:
+def llm_summary(text: str, idempotency_key: str, sentences: int = 2) -> tuple[str, dict]:
     """The endpoint's summary and its `usage` ({} when it reports none)."""
     base = os.environ["JOBRUNNER_LLM_BASE_URL"].rstrip("/")
     body = {
         "model": os.environ.get("JOBRUNNER_LLM_MODEL", "gpt-4o-mini"),
         "messages": [
-            {"role": "system", "content": "Summarise the text in two sentences."},
+            {"role": "system", "content": f"Summarise the text in {sentences} sentence(s)."},
             {"role": "user", "content": text},
         ],
         "temperature": 0,
@@ -135,3 +140,77 @@ def summarise_chunk(task: Task) -> dict:
 
     task.once("store-summary", store)
     return record
+
+
+# -- the reduce step ----------------------------------------------------------------
+DIGEST_CHARS = 180  # per document: the whole digest stays small enough for a status
+
+
+def clip(text: str, limit: int) -> str:
+    """At most `limit` characters, cut at a word."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(",;:") + " …"
+
+
+def condense(task: Task, texts: list[str], sentences: int, what: str) -> str:
+    """The "model" of the reduce: extractive offline, the endpoint when configured."""
+    joined = " ".join(texts)
+    if os.environ.get("JOBRUNNER_LLM_BASE_URL"):
+        summary, usage = llm_summary(joined, task.idempotency_key(what), sentences)
+        task.report_usage(input_tokens=int(usage.get("prompt_tokens") or approx_tokens(joined)),
+                          output_tokens=int(usage.get("completion_tokens")
+                                            or approx_tokens(summary)))
+        return summary
+    return extractive_summary(joined, sentences)
+
+
+def overview(documents: list[dict[str, Any]], chunks_total: int) -> str:
+    """The offline overall digest: what recurs across the documents' digests, and which
+    documents the batch covered most."""
+    words = Counter(w for d in documents for w in set(_WORD.findall(d["digest"].lower()))
+                    if w not in _STOP and len(w) > 3)
+    recurring = [w for w, n in words.most_common(8) if n > 1] or [w for w, _ in
+                                                                  words.most_common(5)]
+    largest = sorted(documents, key=lambda d: (-d["chunks"], d["doc"]))[:3]
+    return (f"{len(documents)} documents in {chunks_total} chunks. Recurring terms: "
+            f"{', '.join(recurring)}. Most covered: "
+            + ", ".join(f"{d['doc']} ({d['chunks']} chunks)" for d in largest) + ".")
+
+
+def digest(task: Task, results: Iterator[dict[str, Any]]) -> str:
+    """The batch's reduce step: a digest per document from its chunks' summaries, then an
+    overall digest from those; returns the digest as Markdown (the batch's result).
+
+    `results` streams the chunk results in task key order (argparse-00, argparse-01, ...
+    configparser-00, ...), so a document's chunks come together: one document's
+    summaries are in memory at a time, however large the batch."""
+    documents: list[dict[str, Any]] = []
+    done = (r for r in results if r["status"] == "done" and r["result"])
+    for doc, group in itertools.groupby(done, key=lambda r: r["result"]["doc"]):
+        summaries = [r["result"]["summary"] for r in group]
+        documents.append({"doc": doc, "chunks": len(summaries),
+                          "digest": clip(condense(task, summaries, 1, f"digest-{doc}"),
+                                         DIGEST_CHARS)})
+    chunks_total = sum(d["chunks"] for d in documents)
+    if os.environ.get("JOBRUNNER_LLM_BASE_URL"):
+        overall = clip(condense(task, [d["digest"] for d in documents], 3, "digest"), 600)
+    else:
+        overall = overview(documents, chunks_total)
+
+    def store(conn) -> dict:
+        conn.execute("CREATE TABLE IF NOT EXISTS demo_digest ("
+                     " batch_id text, doc text, chunks int, digest text,"
+                     " PRIMARY KEY (batch_id, doc))")
+        with conn.cursor() as cur:
+            cur.executemany("INSERT INTO demo_digest VALUES (%s, %s, %s, %s)",
+                            [(task.batch_id, d["doc"], d["chunks"], d["digest"])
+                             for d in documents])
+        return {"documents": len(documents)}
+
+    task.once("store-digests", store)
+    lines = [f"# Digest of {len(documents)} documents ({chunks_total} chunks)", "", overall, "",
+             "## By document"]
+    lines += [f"- {d['doc']} ({d['chunks']} chunks): {d['digest']}" for d in documents]
+    return "\n".join(lines) + "\n"
