@@ -421,8 +421,12 @@ def _phase(run: BatchRunSpec, job: Any, counts: dict[str, int], batch_id: str,
         return "Succeeded", "AllTasksDone", summary
     if run.suspend:
         return "Suspended", "Suspended", f"suspended: no new claims; {summary}"
-    if reducing and reduce.running:
-        return "Reducing", "Reducing", f"every task is terminal; reduce {reduce.describe(counts)}"
+    if reducing and not unfinished and (reduce.enqueued or reduce.reduced):
+        # From the reduce's enqueue until the Job completes (its pods exit once it is
+        # done), so the phase never goes back to Running in between.
+        after = "" if reduce.running else "; waiting for the workers to exit"
+        return "Reducing", "Reducing", (f"every task is terminal; reduce "
+                                        f"{reduce.describe(counts)}{after}")
     return "Running", "Running", summary
 
 
@@ -453,6 +457,9 @@ def _milestone_events(body: kopf.Body, milestones: dict[str, Any], counts: dict[
     if counts["done"] and not milestones.get("firstTaskDone"):
         milestones["firstTaskDone"] = True
         _event(body, "Normal", "FirstTaskDone", message="the first task finished")
+    if phase == "Reducing" and not milestones.get("reducing"):
+        milestones["reducing"] = True
+        _event(body, "Normal", "Reducing", message=message)
     if counts["dead"] > int(milestones.get("deadTasks") or 0):
         _event(body, "Warning", "DeadTasks", message=f"{counts['dead']} task(s) are dead")
         milestones["deadTasks"] = counts["dead"]

@@ -354,3 +354,51 @@ def test_enqueue_refuses_the_reserved_key_and_tasks_after_the_reduce(dsn, conn):
         "n"] == 0
     again = Queue(conn).enqueue("b", "acme", [TaskSpec("t", {})])  # (a re-run adds nothing)
     assert (again.new, again.existing) == (0, 1)
+
+
+# -- the operator's phase -------------------------------------------------------------------
+def _job(finished: str | None = None):
+    from types import SimpleNamespace
+
+    conditions = [SimpleNamespace(status="True", type=finished, reason=finished, message="")]
+    return SimpleNamespace(status=SimpleNamespace(conditions=conditions if finished else []))
+
+
+def _reduce_state(**changes) -> reduce.ReduceState:
+    base = {"spec": ReduceSpec(handler="m:f"), "cancelled": False, "enqueued": True,
+            "task_status": "leased", "attempts": 1, "max_attempts": 8, "last_error": None,
+            "reduced": False, "result_bytes": None, "due": False}
+    return reduce.ReduceState(**{**base, **changes})
+
+
+@pytest.mark.parametrize(("job", "counts", "state", "expected"), [
+    (None, {"done": 3}, {}, ("Reducing", "Reducing")),
+    (None, {"done": 3}, {"task_status": "done", "reduced": True}, ("Reducing", "Reducing")),
+    (None, {"done": 2, "pending": 1}, {"enqueued": False, "task_status": None},
+     ("Running", "Running")),
+    ("Complete", {"done": 3}, {"task_status": "done", "reduced": True},
+     ("Succeeded", "Reduced")),
+    ("Complete", {"done": 2, "dead": 1}, {"task_status": "done", "reduced": True},
+     ("Succeeded", "Reduced")),  # onDead skip or include
+    ("Complete", {"done": 2, "dead": 1}, {"enqueued": False, "task_status": None},
+     ("Failed", "DeadTasks")),  # onDead fail
+    ("Complete", {"done": 3}, {"task_status": "dead", "last_error": "boom"},
+     ("Failed", "ReduceFailed")),
+    ("Complete", {"done": 3}, {"task_status": "pending"}, ("Failed", "WorkersExitedEarly")),
+    ("Complete", {"done": 1, "cancelled": 2}, {"cancelled": True, "enqueued": False,
+                                               "task_status": None}, ("Cancelled", "Cancelled")),
+])
+def test_operator_phase_with_a_reduce(job, counts, state, expected):
+    from controller.handlers import _phase
+    from jobrunner.manifest import parse_batchrun
+
+    run = parse_batchrun({"apiVersion": "jobrunner.dev/v1alpha1", "kind": "BatchRun",
+                          "metadata": {"name": "r"},
+                          "spec": {"tenant": "t", "handler": "m:f", "shardRange": {"count": 3},
+                                   "reduce": {"handler": "m:g"}}})
+    full = {"pending": 0, "leased": 0, "done": 0, "dead": 0, "cancelled": 0, **counts}
+    full["total"] = sum(full.values())
+    phase, reason, message = _phase(run, _job(job), full, "b", _reduce_state(**state))
+    assert (phase, reason) == expected, message
+    if reason == "ReduceFailed":
+        assert "boom" in message
