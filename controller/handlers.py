@@ -407,8 +407,9 @@ def _phase(run: BatchRunSpec, job: Any, counts: dict[str, int], batch_id: str,
             return "Failed", "ReduceFailed", (f"reduce {reduce.describe(counts)}; see "
                                               f"`jobrunner status --batch {batch_id}`; {summary}")
         if counts["dead"] and not (reducing and reduce.reduced):
+            skipped = "; the reduce did not run (onDead: fail)" if reducing else ""
             return "Failed", "DeadTasks", (f"{counts['dead']} task(s) dead: see `jobrunner dead "
-                                           f"list --batch {batch_id}`; {summary}")
+                                           f"list --batch {batch_id}`; {summary}{skipped}")
         if counts["cancelled"]:
             return "Cancelled", "Cancelled", f"the batch was cancelled; {summary}"
         if reducing:

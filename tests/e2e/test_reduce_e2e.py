@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import psycopg
+import pytest
 from psycopg.rows import dict_row
 
 from jobrunner.queue import Queue
@@ -64,6 +65,7 @@ def test_map_reduce_example_reduces_once_with_the_digest_in_status(k8s, namespac
     assert stored == digest and digests == 14
     assert counts["done"] == 48
     described = k8s.kubectl("describe", "br", "summarise-stdlib-docs", "-n", namespace).stdout
+    print(described)  # issue 17: Succeeded with the digest
     assert "Digest of 14 documents" in described and "Reducing" in described
 
 
@@ -79,7 +81,7 @@ def test_failed_run_shows_its_top_errors_in_kubectl_describe(k8s, namespace, dsn
     assert status["phase"] == "Failed", status
     assert status["counts"]["dead"] == 3 and status["counts"]["done"] == 6
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
-    assert failed["reason"] == "DeadTasks"
+    assert failed["reason"] == "DeadTasks" and "the reduce did not run" in failed["message"]
     assert status["reduce"]["state"] == "skipped" and "result" not in status
     (top,) = status["topErrors"]  # three poison tasks, one distinct error
     assert top["count"] == 3 and top["exampleKey"] == "poison-0"
@@ -92,3 +94,28 @@ def test_failed_run_shows_its_top_errors_in_kubectl_describe(k8s, namespace, dsn
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM agent_work_queue WHERE task_key = %s",
                             (REDUCE_KEY,)).fetchone()[0] == 0  # onDead fail: never ran
+
+
+@pytest.mark.parametrize(("reduce", "message"), [
+    ({"handler": "m:g", "command": ["x"]}, "exactly one of spec.reduce.handler"),
+    ({"onDead": "skip"}, "exactly one of spec.reduce.handler"),
+    ({"handler": "m:g", "onDead": "maybe"}, "spec.reduce.onDead"),
+    ({"handler": "not a handler"}, "spec.reduce.handler"),
+])
+def test_invalid_reduce_is_refused_at_apply(k8s, namespace, operator, reduce, message):
+    spec = {"tenant": "t", "handler": "m:f", "shardRange": {"count": 2}, "reduce": reduce}
+    r = apply(k8s, namespace, batchrun("bad-reduce", spec), check=False)
+    assert r.returncode != 0 and message in r.stderr, r.stderr
+    assert get(k8s, "batchrun", "bad-reduce", namespace) is None
+
+
+def test_reduce_cannot_change_after_creation(k8s, namespace, operator):
+    spec = {"tenant": "t", "handler": "tests.support.handlers:noop", "suspend": True,
+            "shardRange": {"count": 2}, "reduce": {"handler": "m:g"}}
+    apply(k8s, namespace, batchrun("fixed-reduce", spec))
+    changed = {**spec, "reduce": {"handler": "m:other"}}
+    r = apply(k8s, namespace, batchrun("fixed-reduce", changed), check=False)
+    assert r.returncode != 0 and "spec.reduce is immutable" in r.stderr
+    without = {k: v for k, v in spec.items() if k != "reduce"}
+    r = apply(k8s, namespace, batchrun("fixed-reduce", without), check=False)
+    assert r.returncode != 0 and "spec.reduce cannot be added or removed" in r.stderr
