@@ -20,11 +20,12 @@ def test_real_workers_drain_a_small_batch_and_the_report_renders(tmp_path: Path)
     server.start()
     try:
         system = Jobrunner(server, shards=7)
-        run = measure(server, system, workers=2, batch=10, tasks=200, cap=60)
-        assert run.done == 200 and not run.capped
+        # Enough tasks that the workers' CPU shows in clock ticks (10 ms) even on a fast run.
+        run = measure(server, system, workers=2, batch=10, tasks=2000, cap=60)
+        assert run.done == 2000 and not run.capped
         assert run.rate > 0 and run.pg_cpu_s >= 0 and run.worker_cpu_s > 0
         # every task ran exactly once, and no shard lease is left behind
-        assert system.sql("SELECT max(attempts), count(*) FROM agent_work_queue")[0] == (1, 200)
+        assert system.sql("SELECT max(attempts), count(*) FROM agent_work_queue")[0] == (1, 2000)
         assert system.sql("SELECT count(*) FROM agent_shard_lease")[0][0] == 0
         # the wait-event sampler sees the backends of pgbench and of the workers
         sampled = waits(server, [(system, 1)], PgBench(server), workers=2, tasks=300,

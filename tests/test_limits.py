@@ -167,8 +167,9 @@ def test_429_pauses_the_limit_for_every_worker_without_burning_attempts(
     for at, _, status in seen:
         if status == 429:
             # Every worker paused the limit: nothing reached the server for the second
-            # after a 429 (calls already under way when it came may still arrive).
-            paused = [t for t, _, _ in seen if at + 0.3 < t < at + 0.95]
+            # after a 429 (calls of tasks claimed before it may still arrive: on a loaded
+            # machine a claimed task's call can start a few hundred ms after its claim).
+            paused = [t for t, _, _ in seen if at + 0.6 < t < at + 0.95]
             assert paused == [], (at, paused)
     blocked = limits.list_limits(conn, ["llm"])[0]
     assert blocked.blocked_seconds >= 1.5  # two separate pauses of about a second
