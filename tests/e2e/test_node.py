@@ -25,6 +25,12 @@ FAST = {"visibilityTimeoutSeconds": 6, "heartbeatSeconds": 2, "backoffBaseSecond
         "backoffCapSeconds": 1}
 
 
+def show(capsys, text: str) -> None:
+    """A proof line past pytest's capture, so that it shows in the CI log."""
+    with capsys.disabled():
+        print("\n[node] " + text.strip(), flush=True)
+
+
 def wait_for(what: str, predicate, timeout: float = 90, interval: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -52,7 +58,7 @@ def condition(status: dict, type_: str) -> dict | None:
     return next((c for c in status.get("conditions", []) if c["type"] == type_), None)
 
 
-def test_kubectl_logs_and_exec_into_a_worker(k8s, namespace, dsn, operator):
+def test_kubectl_logs_and_exec_into_a_worker(k8s, namespace, dsn, operator, capsys):
     apply(k8s, namespace, batchrun("observed", {
         "tenant": "t", "workers": 1, "handler": "tests.support.handlers:record",
         "shardRange": {"count": 6, "payload": {"sleep": 4}}, **FAST}))
@@ -71,12 +77,12 @@ def test_kubectl_logs_and_exec_into_a_worker(k8s, namespace, dsn, operator):
     records = [json.loads(line) for line in lines]  # every line is JSON
     assert any("batch" in r.get("message", r.get("msg", "")) for r in records), records[:3]
     assert all("level" in r or "levelname" in r for r in records), records[:3]
-    print(f"\n$ kubectl exec {pod} -- jobrunner status --batch {batch} --json\n{out}"
+    show(capsys, f"$ kubectl exec {pod} -- jobrunner status --batch {batch} --json\n{out}"
           f"$ kubectl logs {pod} | head -2\n" + "\n".join(lines[:2]))
 
 
 def test_oom_killed_worker_task_runs_again_and_the_run_succeeds(k8s, namespace, dsn,
-                                                                  operator):
+                                                                  operator, capsys):
     apply(k8s, namespace, batchrun("hungry", {
         "tenant": "t", "workers": 1, "handler": "tests.support.handlers:hog_memory_first",
         "shardRange": {"count": 1, "payload": {"mb": 400}}, **FAST,
@@ -96,9 +102,11 @@ def test_oom_killed_worker_task_runs_again_and_the_run_succeeds(k8s, namespace, 
     # the first attempt died with its container (no exec_log row: it never finished its
     # allocation); the lease expired and the replacement pod ran attempt 2
     assert (status, attempts) == ("done", 2) and runs == [(2,)], (status, attempts, runs)
+    show(capsys, f"memory limit 160Mi: worker OOMKilled (exit {killed[0]['exitCode']}), its "
+                 "task ran again after the lease expired (attempt 2, done), run Succeeded")
 
 
-def test_writing_outside_tmp_fails_with_a_clear_error(k8s, namespace, dsn, operator):
+def test_writing_outside_tmp_fails_with_a_clear_error(k8s, namespace, dsn, operator, capsys):
     apply(k8s, namespace, batchrun("readonly", {
         "tenant": "t", "workers": 1, "handler": "tests.support.handlers:write_file",
         "maxAttempts": 1, **FAST,
@@ -111,10 +119,11 @@ def test_writing_outside_tmp_fails_with_a_clear_error(k8s, namespace, dsn, opera
                                  "FROM agent_work_queue").fetchall())
     assert rows["inside"] == "done"
     assert "Read-only file system" in rows["outside"] and "/app/out.json" in rows["outside"]
+    show(capsys, f"read-only root filesystem: last_error {rows['outside'][:160]!r}")
 
 
 def _assert_refused(k8s, namespace, name, operator, reason: str, words: str,
-                    started: float) -> dict:
+                    started: float, capsys) -> dict:
     cond = wait_for(f"WorkersHealthy={reason}", lambda: condition(
         (get(k8s, "batchrun", name, namespace) or {}).get("status") or {}, "WorkersHealthy"),
         timeout=60)
@@ -132,36 +141,36 @@ def _assert_refused(k8s, namespace, name, operator, reason: str, words: str,
     (job,) = jobs_of(k8s, namespace)
     assert job["spec"]["suspend"] is True  # its pods go away; the tasks stay queued
     wait_for("the worker pods gone", lambda: not pods_of(k8s, namespace), timeout=60)
-    print(f"\n{name}: {reason} noticed after {noticed:.0f}s, run Failed after "
+    show(capsys, f"{name}: {reason} noticed after {noticed:.0f}s, run Failed after "
           f"{failed_after:.0f}s: {cond['message']}")
     return br
 
 
 def test_a_root_uid_is_refused_by_the_kubelet_and_the_run_says_why(k8s, namespace, dsn,
-                                                                    operator):
+                                                                    operator, capsys):
     started = time.monotonic()
     apply(k8s, namespace, batchrun("as-root", {
         "tenant": "t", "workers": 1, "handler": "tests.support.handlers:noop",
         "shardRange": {"count": 2}, **FAST,
         "template": {"containerSecurityContext": {"runAsUser": 0}}}))
     br = _assert_refused(k8s, namespace, "as-root", operator, "CreateContainerConfigError",
-                         "non-root", started)
+                         "non-root", started, capsys)
     assert br["status"]["counts"]["pending"] == 2
 
 
-def test_a_missing_image_is_reported_within_a_minute(k8s, namespace, dsn, operator):
+def test_a_missing_image_is_reported_within_a_minute(k8s, namespace, dsn, operator, capsys):
     started = time.monotonic()
     apply(k8s, namespace, batchrun("no-image", {
         "tenant": "t", "workers": 2, "handler": "tests.support.handlers:noop",
         "shardRange": {"count": 2}, **FAST,
         "template": {"image": "jobrunner:no-such-tag", "imagePullPolicy": "Never"}}))
     _assert_refused(k8s, namespace, "no-image", operator, "ErrImageNeverPull",
-                    "jobrunner:no-such-tag", started)
+                    "jobrunner:no-such-tag", started, capsys)
     assert time.monotonic() - started < 90
 
 
 def test_the_deadline_sends_sigterm_then_sigkill_after_the_grace_period(k8s, namespace, dsn,
-                                                                        operator):
+                                                                        operator, capsys):
     """Two workers hold a lease each when activeDeadlineSeconds kills the Job. One is
     frozen (SIGSTOP from the host, as a wedged process): the kubelet's SIGTERM stays
     pending in it, and only SIGKILL, after terminationGracePeriodSeconds, ends it. The
@@ -217,7 +226,7 @@ def test_the_deadline_sends_sigterm_then_sigkill_after_the_grace_period(k8s, nam
     expired = [r for r in rows if r[2] and r[2].startswith("lease expired")]
     # the calm worker gave its task back (attempt not used); the frozen one's lease expired
     assert len(released) == 1 and len(expired) == 1, rows
-    print(f"\ndeadline: SIGTERM pending in the frozen worker, SIGKILL {killed_after:.1f}s "
+    show(capsys, f"deadline: SIGTERM pending in the frozen worker, SIGKILL {killed_after:.1f}s "
           f"later (grace {grace}s); the other exited {calm_exit:.1f}s after SIGTERM, task "
           "released")
 
@@ -230,7 +239,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_controllers_probes_are_really_probed(k8s, dsn):
+def test_the_controllers_probes_are_really_probed(k8s, dsn, capsys):
     """The chart's startup and liveness probes, run by the kubelet: the prober's own
     counters, and a frozen controller restarted by its liveness probe."""
     from .test_helm import controller_pods, helm_install, new_namespace
@@ -275,7 +284,7 @@ def test_the_controllers_probes_are_really_probed(k8s, dsn):
         unhealthy = [e for e in events_of(k8s, ns) if e["reason"] == "Unhealthy"]
         assert any("Liveness probe failed" in e["message"] for e in unhealthy), unhealthy
         assert probes().get(("Liveness", "failed"), 0) >= 2
-        print(f"\nprobes of {name}: {seen}; frozen -> liveness failed x2 -> restarted "
+        show(capsys, f"probes of {name}: {seen}; frozen -> liveness failed x2 -> restarted "
               f"(exit {cs['lastState']['terminated']['exitCode']})")
     finally:
         k8s.helm("uninstall", "jr", "-n", ns, check=False)
