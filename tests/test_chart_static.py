@@ -239,6 +239,7 @@ def _cond(type_, status, reason="R", message="cm"):
     (_run("Succeeded", conditions=[_cond("Ready", "True")]), "Healthy"),
     (_run("Succeeded", generation=2, observed=1), "Progressing"),
     (_run("Running", conditions=[_cond("Reconciling", "True")]), "Progressing"),
+    (_run("Reducing", conditions=[_cond("Reconciling", "True", "Reducing")]), "Progressing"),
     (_run("Pending", conditions=[_cond("Enqueued", "False", "WaitingForTasks")]), "Progressing"),
     (_run("Pending", conditions=[_cond("Enqueued", "False", "DatabaseUnavailable")]),
      "Progressing"),
