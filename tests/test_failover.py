@@ -292,22 +292,36 @@ class FailoverFigures:
     first_ack: float  # kill -9 -> the first ack committed on the new primary
     acks_rolled_back: int  # committed on the old primary, not in the new one's history
     acks_resent: int  # ... that their worker sent again and that landed (same attempt)
-    acks_lost: int  # ... whose task had to run again
+    acks_worker_killed: int  # ... whose worker was killed (-9) before it could resend them
+    acks_lost: int  # ... the others: their task had to run again
     effects_rolled_back: int  # ledger rows (with their effects) the same way
+    lost: list[str]  # what each lost ack was, for the failure message
 
 
-def _figures(rs: ReplicaSet, record: Failover, final: dict[int, tuple]) -> FailoverFigures:
+def _pid(owner: str) -> int:
+    return int(owner.rsplit("-", 2)[-2])  # (worker ids: HOST-PID-RANDOM)
+
+
+def _figures(rs: ReplicaSet, record: Failover, final: dict[int, tuple],
+             killed: dict[int, float]) -> FailoverFigures:
     at_fork: History = record.at_fork
     old = rs.post_mortem(record, History.read)
     rolled_back = set(old.done) - set(at_fork.done)
     resent = {i for i in rolled_back
               if final[i][0] == "done" and final[i][1:3] == old.done[i]}
-    first_ack = min(finished for i, (status, _, _, finished) in final.items()
+    # A worker killed by the soak after the failover began had no chance to send its
+    # ack again: that one is lost to the kill (at-least-once), not to the failover.
+    by_kill = {i for i in rolled_back - resent
+               if killed.get(_pid(old.done[i][1]), 0) >= record.killed_at}
+    lost = rolled_back - resent - by_kill
+    first_ack = min(finished for i, (status, _, _, finished, _) in final.items()
                     if status == "done" and i not in at_fork.done
                     and finished > record.killed_at)
-    return FailoverFigures(record.promotion_seconds, first_ack - record.killed_at,
-                           len(rolled_back), len(resent), len(rolled_back - resent),
-                           len(old.effects - at_fork.effects))
+    return FailoverFigures(
+        record.promotion_seconds, first_ack - record.killed_at, len(rolled_back),
+        len(resent), len(by_kill), len(lost), len(old.effects - at_fork.effects),
+        [f"{final[i][4]}: acked on the old primary as attempt {old.done[i]}, finally "
+         f"{final[i][:3]}" for i in sorted(lost)])
 
 
 def _failover_soak(tmp_path: Path, capsys, *, synchronous: bool, tasks: int,
@@ -344,21 +358,25 @@ def _failover_soak(tmp_path: Path, capsys, *, synchronous: bool, tasks: int,
                      faults=failovers, extra_env=extra_env, worker_args=FAILOVER_WORKER_ARGS)
         rs.wait_rebuilt()
         with psycopg.connect(direct) as conn:
-            final = {i: (status, attempts, owner, finished.timestamp() if finished else 0.0)
-                     for i, status, attempts, owner, finished in conn.execute(
-                         "SELECT id, status, attempts, lease_owner, finished_at"
+            final = {i: (status, attempts, owner, finished.timestamp() if finished else 0.0,
+                         key)
+                     for i, status, attempts, owner, finished, key in conn.execute(
+                         "SELECT id, status, attempts, lease_owner, finished_at, task_key"
                          " FROM agent_work_queue WHERE batch_id = %s", (BATCH,))}
             refused = conn.execute(
                 "SELECT count(*) FROM agent_work_queue WHERE batch_id = %s"
                 " AND last_error LIKE %s", (BATCH, "%its effects were lost%")).fetchone()[0]
-        figures = [_figures(rs, record, final) for record in rs.failovers]
+        figures = [_figures(rs, record, final, r.killed) for record in rs.failovers]
     finally:
         if bouncer is not None:
-            bouncer.stop()
+            bouncer.stop(keep_log=tmp_path / "pgbouncer.log")
+        rs.stop()
+        rs.save_logs(tmp_path)
         rs.destroy()
 
     total = {name: sum(getattr(f, name) for f in figures)
-             for name in ("acks_rolled_back", "acks_resent", "acks_lost", "effects_rolled_back")}
+             for name in ("acks_rolled_back", "acks_resent", "acks_worker_killed", "acks_lost",
+                          "effects_rolled_back")}
     seconds = "/".join  # one figure per failover: there / back
     report(f"failover[{label}]: tasks={tasks + N_POISON} workers={N_WORKERS} kills={r.kills} "
            f"failovers={r.faults} done={r.counts['done']} dead={r.counts['dead']} "
@@ -368,8 +386,9 @@ def _failover_soak(tmp_path: Path, capsys, *, synchronous: bool, tasks: int,
            f"done_without_effect={r.done_without_effect} "
            f"shard_overlaps={len(r.overlaps)} (samples={r.samples}) "
            f"overlapping_acked_runs={r.acked_overlaps} reexecutions={r.reexecutions} "
-           f"acks_lost={total['acks_lost']} (rolled_back={total['acks_rolled_back']} "
-           f"resent={total['acks_resent']}) effects_rolled_back_and_reapplied="
+           f"acks_lost={total['acks_lost']} (rolled_back={total['acks_rolled_back']}: "
+           f"resent={total['acks_resent']} worker_killed={total['acks_worker_killed']}) "
+           f"effects_rolled_back_and_reapplied="
            f"{total['effects_rolled_back']} effect_acks_refused={refused} "
            f"promotion_s={seconds(f'{f.promotion:.2f}' for f in figures)} "
            f"failover_to_first_ack_s={seconds(f'{f.first_ack:.2f}' for f in figures)} "
@@ -381,11 +400,12 @@ def _failover_soak(tmp_path: Path, capsys, *, synchronous: bool, tasks: int,
     if synchronous:
         # A commit returned only once the standby had it: an ack rolled back was one in
         # flight, which its worker sent again. No task had to run again for a lost ack.
-        assert total["acks_lost"] == 0
+        assert total["acks_lost"] == 0, [line for f in figures for line in f.lost]
     # Re-executions come from the faults: a kill interrupts at most a claim batch, a
     # failover at most what all workers held, and (asynchronous) what it rolled back.
-    bound = (r.kills + r.faults * N_WORKERS) * 4 + r.kills * 4 + total["acks_lost"]
-    assert 0 <= r.reexecutions <= bound + 4 * total["effects_rolled_back"]
+    bound = ((r.kills + r.faults * N_WORKERS) * 4 + r.kills * 4 + total["acks_lost"]
+             + total["effects_rolled_back"])
+    assert 0 <= r.reexecutions <= bound
 
 
 @pytest.fixture

@@ -94,8 +94,11 @@ logfile = {self.dir / 'pgbouncer.log'}
         assert self.proc is not None
         self.proc.send_signal(signal.SIGHUP)
 
-    def stop(self) -> None:
+    def stop(self, keep_log: Path | None = None) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+        log = self.dir / "pgbouncer.log"
+        if keep_log is not None and log.exists():
+            shutil.copy(log, keep_log)
         shutil.rmtree(self.dir, ignore_errors=True)

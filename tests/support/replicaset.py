@@ -110,6 +110,10 @@ class ReplicaSet:
         self.failovers: list[Failover] = []
         self._rebuild: threading.Thread | None = None
         self._rebuild_error: BaseException | None = None
+        self.events: list[tuple[float, str]] = []  # (time.time(), what): see save_logs
+
+    def _event(self, what: str) -> None:
+        self.events.append((time.time(), what))
 
     # -- addresses ------------------------------------------------------------------
     @property
@@ -158,20 +162,24 @@ class ReplicaSet:
             # (a slot left by this node's previous life as a standby of the same source)
             conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
                          " WHERE slot_name = %s AND NOT active", (slot,))
+        self._event(f"node{i}: base backup of node{source}")
         node._run([str(node.bin / "pg_basebackup"), "-D", str(node.data),
                    "-d", self.node_dsn(source) + f" application_name=node{i}",
                    "-X", "stream", "-C", "-S", slot, "-R", "-c", "fast"], timeout=300)
+        self._event(f"node{i}: starting as a standby")
         node.start()
         with self._admin(source) as conn:
             self._wait(lambda: conn.execute(
                 "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'"
             ).fetchone()[0] >= 1, f"node{i} to stream from node{source}")
+            self._event(f"node{i}: streaming")
             if self.synchronous:
                 conn.execute("ALTER SYSTEM SET synchronous_standby_names = '*'")
                 conn.execute("SELECT pg_reload_conf()")
                 self._wait(lambda: conn.execute(
                     "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'"
                 ).fetchone()[0] >= 1, f"node{i} to be a synchronous standby")
+                self._event(f"node{i}: synchronous standby")
 
     @staticmethod
     def _wait(predicate: Callable[[], bool], what: str, timeout: float = 120) -> None:
@@ -185,6 +193,12 @@ class ReplicaSet:
         """kill -9 of the primary's postmaster and all its children at once."""
         node = self.nodes[self.primary]
         pid = int((node.data / "postmaster.pid").read_text().split()[0])
+        # Stopped first, it forks no backend between the scan and the kill: one that
+        # escaped would live on, attached to the dead server's shared memory.
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
         victims = [pid, *_children(pid)]
         for victim in victims:
             try:
@@ -204,6 +218,7 @@ class ReplicaSet:
         old, new = self.primary, self.standby
         killed_at = time.time()
         self.kill_primary()
+        self._event(f"node{old}: killed")
         with self._admin(new) as conn:
             self._wait(lambda: conn.execute(
                 "SELECT pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn()").fetchone()[0],
@@ -217,6 +232,7 @@ class ReplicaSet:
             if not conn.execute("SELECT pg_promote(true, 60)").fetchone()[0]:
                 raise RuntimeError(f"node{new} was not promoted within 60 s")
         promoted_at = time.time()
+        self._event(f"node{new}: promoted")
         self.primary = new
         if on_promoted:
             on_promoted(new)
@@ -278,6 +294,15 @@ class ReplicaSet:
                 return read(conn)
         finally:
             server.stop("immediate")
+
+    def save_logs(self, folder: Path) -> None:
+        """The event log and each server's log, for a failed run's post-mortem."""
+        (folder / "replicaset-events.log").write_text("".join(
+            time.strftime("%H:%M:%S", time.localtime(t)) + f"{t % 1:.3f}"[1:] + f" {what}\n"
+            for t, what in self.events))
+        for i, node in enumerate(self.nodes):
+            if node.log_file.exists():
+                shutil.copy(node.log_file, folder / f"node{i}-postgres.log")
 
     def stop(self) -> None:
         if self._rebuild is not None:

@@ -91,6 +91,7 @@ class SoakResult:
     overlaps: list
     samples: int
     acked_overlaps: int
+    killed: dict[int, float] = field(default_factory=dict)  # worker pid -> when (time.time())
 
     @property
     def reexecutions(self) -> int:
@@ -137,6 +138,7 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
     watcher.start()
     workers = {i: spawn(i) for i in range(N_WORKERS)}
     kills = applied = 0
+    killed: dict[int, float] = {}
     plan = sorted(faults, key=lambda f: f.at)
     started = time.monotonic()
 
@@ -160,6 +162,7 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
         if time.monotonic() >= next_kill:
             victim = rng.choice([i for i, w in workers.items() if w.poll() is None] or [0])
             if workers[victim].poll() is None:
+                killed[workers[victim].pid] = time.time()
                 os.killpg(workers[victim].pid, signal.SIGKILL)
                 workers[victim].wait()
                 kills += 1
@@ -217,7 +220,7 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
                       ledger_without_effect=ledger_without_effect,
                       done_without_effect=done_without_effect, raw=raw,
                       overlaps=monitor.overlaps, samples=monitor.samples,
-                      acked_overlaps=acked_overlaps)
+                      acked_overlaps=acked_overlaps, killed=killed)
 
 
 def _reader(conn: psycopg.Connection) -> Callable[[str], Any]:
