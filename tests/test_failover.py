@@ -32,6 +32,7 @@ from jobrunner.task import Task
 from jobrunner.validation import TaskSpec
 from tests.conftest import cli, start_worker, wait_for
 from tests.support import pgbouncer
+from tests.support.handlers import EXEC_LOG_DDL
 from tests.support.replicaset import Failover, ReplicaSet
 from tests.support.soak import BATCH, N_POISON, N_WORKERS, Fault, report, run_soak
 
@@ -266,6 +267,37 @@ def test_listen_the_cli_and_the_controller_follow_the_primary(replica_set, tmp_p
         worker.terminate()
         worker.wait(30)
         forget(dsn)
+
+
+def test_a_failover_longer_than_the_lease_loses_it_as_documented(replica_set, tmp_path):
+    """The primary is gone for longer than the visibility timeout (an orchestrator slow to
+    promote): the worker's heartbeat cannot renew the lease of its running task, marks it
+    lost once a whole visibility timeout has passed, stops the handler and does not ack
+    it; after the promotion the lease expires and the task runs again (docs/guarantees.md:
+    "PostgreSQL unreachable longer than a lease")."""
+    rs = replica_set
+    dsn = rs.dsn()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(EXEC_LOG_DDL)
+        Queue(conn).enqueue("b", "acme", [TaskSpec("long", {"sleep": 12})])
+        worker = start_worker(dsn, "b", "tests.support.handlers:record", "--exit-when-drained",
+                              "--visibility-timeout", "3", "--heartbeat", "1",
+                              log=tmp_path / "w.log")
+        wait_for(lambda: conn.execute("SELECT count(*) FROM exec_log").fetchone()[0] == 1,
+                 what="the task to start")
+    rs.kill_primary()
+    time.sleep(5)  # no primary for longer than the lease
+    rs.failover()  # (the primary is dead already: this promotes the standby)
+    assert worker.wait(90) == 0, (tmp_path / "w.log").read_text()[-3000:]
+    log = (tmp_path / "w.log").read_text()
+    assert "no heartbeat succeeded for a whole lease" in log
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        status, attempts = conn.execute(
+            "SELECT status, attempts FROM agent_work_queue WHERE task_key = 'long'").fetchone()
+        runs = conn.execute("SELECT attempt, ended_at IS NOT NULL FROM exec_log"
+                            " ORDER BY attempt").fetchall()
+    # The first run was stopped (no end recorded), the second finished and was acked.
+    assert (status, attempts) == ("done", 2) and runs == [(1, False), (2, True)]
 
 
 # -- the soak with failovers -------------------------------------------------------------
