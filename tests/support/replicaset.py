@@ -208,13 +208,33 @@ class ReplicaSet:
         self._wait(lambda: all(_gone(v) for v in victims), "the killed processes to go",
                    timeout=30)
 
+    def hold_back_standby(self, seconds: float) -> None:
+        """Asynchronous mode: cut the standby off its primary for `seconds` (its
+        primary_conninfo pointed at a closed port), so that it lags that far behind when
+        the primary dies, as a standby under write load or across zones can."""
+        if self.synchronous:
+            raise ValueError("a synchronous standby cut off would stop every commit")
+        with self._admin(self.standby) as conn:
+            conn.execute("ALTER SYSTEM SET primary_conninfo = 'host=127.0.0.1 port=1'")
+            conn.execute("SELECT pg_reload_conf()")
+        with self._admin(self.primary) as conn:
+            self._wait(lambda: conn.execute(
+                "SELECT count(*) FROM pg_stat_replication").fetchone()[0] == 0,
+                "the standby to disconnect")
+        self._event(f"node{self.standby}: cut off from its primary")
+        time.sleep(seconds)
+
     def failover(self, on_fork: Callable[[psycopg.Connection], Any] | None = None,
-                 on_promoted: Callable[[int], None] | None = None) -> Failover:
-        """Kill the primary, promote the standby. on_fork(conn) reads the standby once it
-        has replayed everything it received (the surviving history at the fork); the
-        promotion follows at once. on_promoted(node) runs right after it (repointing a
-        PgBouncer, say)."""
+                 on_promoted: Callable[[int], None] | None = None,
+                 lag: float = 0.0) -> Failover:
+        """Kill the primary, promote the standby. With `lag` (asynchronous mode), the
+        standby is cut off that many seconds before (hold_back_standby). on_fork(conn)
+        reads the standby once it has replayed everything it received (the surviving
+        history at the fork); the promotion follows at once. on_promoted(node) runs right
+        after it (repointing a PgBouncer, say)."""
         self.wait_rebuilt()
+        if lag:
+            self.hold_back_standby(lag)
         old, new = self.primary, self.standby
         killed_at = time.time()
         self.kill_primary()
