@@ -232,7 +232,7 @@ def test_an_ack_whose_effect_was_lost_in_a_failover_is_refused(replica_set):
 
 
 # -- following the primary ---------------------------------------------------------------
-def test_listen_the_cli_and_the_controller_follow_the_primary(replica_set, tmp_path):
+def test_listen_the_cli_and_the_controller_follow_the_primary(replica_set, tmp_path, capsys):
     """A worker that polls only every 24-60 s picks up a task enqueued after the failover
     within seconds: its LISTEN was issued again on the new primary. The CLI and the
     controller's pool use the same multi-host DSN before and after."""
@@ -262,8 +262,9 @@ def test_listen_the_cli_and_the_controller_follow_the_primary(replica_set, tmp_p
         woke = time.monotonic() - started
         status = cli("status", "--batch", "b", "--json", dsn=dsn)
         assert status.returncode == 0 and '"done": 2' in status.stdout, status.stderr
-        print(f"\nfailover: promoted {record.promotion_seconds:.2f}s after the kill; "
-              f"a task enqueued 3 s later ran within {woke:.2f}s (LISTEN re-issued)")
+        report(f"failover[listen]: promoted {record.promotion_seconds:.2f}s after the kill; "
+               f"a task enqueued 3 s later ran within {woke:.2f}s on a worker polling every "
+               "60 s (its LISTEN issued again on the new primary)", tmp_path, capsys)
     finally:
         worker.terminate()
         worker.wait(30)
