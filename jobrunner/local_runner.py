@@ -31,6 +31,7 @@ from rich.table import Table
 from . import db
 from . import reduce as reduce_step
 from .embedded import EmbeddedPostgres
+from .errors import JobrunnerError, UnknownBatch
 from .manifest import BatchRunSpec, load_manifest
 from .migrate import migrate
 from .queue import Queue
@@ -90,6 +91,10 @@ def existing_database(dsn: str | None) -> Iterator[str]:
     url = server.start()
     try:
         yield url
+    except UnknownBatch as exc:
+        # Say where we looked: the user may have meant another database.
+        raise JobrunnerError(f"{exc} in the embedded database of `jobrunner run` (no --dsn "
+                             f"and no {db.DSN_ENV} given)") from None
     finally:
         if not was_running:
             server.stop()
