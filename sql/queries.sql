@@ -305,82 +305,17 @@ candidates AS (
     LIMIT %(limit)s
     FOR UPDATE OF q SKIP LOCKED
 ),
-wanted AS MATERIALIZED (
-    -- (candidate, limit it names): empty when no candidate names a limit
-    SELECT c.id, w.name, coalesce(c.tokens, 0) AS tokens
-    FROM candidates c, unnest(c.limits) AS w(name)
-    WHERE c.limits IS NOT NULL
-),
-limit_conf AS MATERIALIZED (
-    -- the limits' configuration and blocks, as this snapshot sees them (not locked)
-    SELECT l.name, l.per_seconds, l.blocked_until FROM agent_limit l
-    WHERE l.name = ANY(ARRAY(SELECT name FROM wanted))
-),
-limit_lanes AS MATERIALIZED (
-    -- One free lane per limit, newest version, locked until commit; a lane another
-    -- claim holds is skipped, never waited for. Preferred: the lane with the earliest
-    -- TAT, then the fewest live leases.
-    SELECT ln.limit_name, ln.lane, ln.requests, ln.tokens, ln.max_concurrent,
-           ln.request_tat, ln.token_tat, ln.acquired
-    FROM limit_conf n
-    CROSS JOIN LATERAL (
-        SELECT x.limit_name, x.lane, x.requests, x.tokens, x.max_concurrent,
-               x.request_tat, x.token_tat, x.acquired
-        FROM agent_limit_lane x
-        WHERE x.limit_name = n.name
-        ORDER BY greatest(CASE WHEN x.requests IS NOT NULL THEN x.request_tat END,
-                          CASE WHEN x.tokens IS NOT NULL THEN x.token_tat END),
-                 CASE WHEN x.max_concurrent IS NOT NULL THEN
-                     (SELECT count(*) FROM agent_limit_lease s
-                      WHERE s.limit_name = x.limit_name AND s.lane = x.lane) END,
-                 x.lane
-        LIMIT 1
-        FOR NO KEY UPDATE OF x SKIP LOCKED) ln
-),
-limit_clock AS MATERIALIZED (
-    -- Read once every lane above is locked (the aggregate consumes limit_lanes first).
-    -- A claim that locked a lane commits without waiting for its WAL flush (its lane is
-    -- free again sooner; docs/flow-control.md says what a PostgreSQL crash may forget,
-    -- and why at-least-once is unchanged).
-    SELECT clock_timestamp() AS t, count(*) AS n,
-           CASE WHEN count(*) > 0 THEN set_config('synchronous_commit', 'off', true) END
-               AS async
-    FROM limit_lanes
-),
-limit_live AS MATERIALIZED (
-    -- live leases of each locked lane with slots (see "Live leases" above)
-    SELECT k.limit_name, k.lane,
-           (SELECT count(*) FROM agent_limit_lease s
-            WHERE s.limit_name = k.limit_name AND s.lane = k.lane)
-           + k.acquired
-           - coalesce((SELECT a.acquired FROM agent_limit_lane a
-                       WHERE a.limit_name = k.limit_name AND a.lane = k.lane), 0) AS live
-    FROM limit_lanes k
-    WHERE k.max_concurrent IS NOT NULL
-),
-limit_check AS (
-    SELECT w.id,
-           k.lane IS NOT NULL
-           AND (f.blocked_until IS NULL OR f.blocked_until <= c.t)
-           AND (k.requests IS NULL OR (w.rank <= k.requests AND k.request_tat
-                + make_interval(secs => (w.rank - 1) * f.per_seconds / k.requests) <= c.t))
-           AND (k.tokens IS NULL OR (w.tokens_before <= k.tokens AND k.token_tat
-                + make_interval(secs => w.tokens_before * f.per_seconds / k.tokens) <= c.t))
-           AND (k.max_concurrent IS NULL OR v.live + w.rank <= k.max_concurrent) AS ok
-    FROM (SELECT id, name,
-                 row_number() OVER (PARTITION BY name ORDER BY id) AS rank,
-                 coalesce(sum(tokens) OVER (PARTITION BY name ORDER BY id
-                          ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS tokens_before
-          FROM wanted) w
-    CROSS JOIN limit_clock c
-    LEFT JOIN limit_conf f ON f.name = w.name
-    LEFT JOIN limit_lanes k ON k.limit_name = w.name
-    LEFT JOIN limit_live v ON v.limit_name = w.name
+admit AS MATERIALIZED (
+    -- Lock a lane per limit, read the clock, admit candidates (migration 0013: in a
+    -- function so that the lanes, which other claims keep changing, are read with a
+    -- fresh snapshot and never rechecked by this statement's EvalPlanQual).
+    SELECT * FROM jobrunner_limit_admit(
+        ARRAY(SELECT id FROM candidates WHERE limits IS NOT NULL))
 ),
 limit_ok AS (
     SELECT id FROM candidates WHERE limits IS NULL
     UNION ALL
-    SELECT id FROM limit_check GROUP BY id HAVING bool_and(ok)
+    SELECT task_id FROM admit GROUP BY task_id HAVING bool_and(ok)
 ),
 one_per_shard AS (
     SELECT DISTINCT ON (tenant_id, shard_key) id, tenant_id, shard_key
@@ -401,31 +336,11 @@ chosen AS (
     UNION ALL
     SELECT task_id FROM shard_leases
 ),
-granted AS MATERIALIZED (
-    -- (chosen task, limit): what is charged
-    SELECT w.id, w.name, w.tokens FROM wanted w
-    WHERE w.id = ANY(ARRAY(SELECT id FROM chosen))
-),
-charged AS (
-    UPDATE agent_limit_lane l
-    SET request_tat = CASE WHEN l.requests IS NULL THEN l.request_tat
-                           ELSE greatest(l.request_tat, c.t)
-                                + make_interval(secs => g.n * f.per_seconds / l.requests) END,
-        token_tat = CASE WHEN l.tokens IS NULL THEN l.token_tat
-                         ELSE greatest(l.token_tat, c.t)
-                              + make_interval(secs => g.tokens * f.per_seconds / l.tokens) END,
-        acquired = l.acquired + CASE WHEN l.max_concurrent IS NULL THEN 0 ELSE g.n END
-    FROM (SELECT name, count(*) AS n, sum(tokens) AS tokens FROM granted GROUP BY name) g
-    JOIN limit_lanes k ON k.limit_name = g.name
-    JOIN limit_conf f ON f.name = g.name
-    CROSS JOIN limit_clock c
-    WHERE (l.limit_name, l.lane) = (k.limit_name, k.lane)
-),
-slot_leases AS (
-    INSERT INTO agent_limit_lease (limit_name, task_id, lane)
-    SELECT g.name, g.id, k.lane FROM granted g JOIN limit_lanes k ON k.limit_name = g.name
-    WHERE k.max_concurrent IS NOT NULL
-    ON CONFLICT DO NOTHING
+charged AS MATERIALIZED (
+    -- Run by the first claimed task under a limit (below): it exists only then.
+    SELECT jobrunner_limit_charge(ARRAY(SELECT ROW(a.*)::jobrunner_admission
+                                        FROM admit a WHERE a.ok),
+                                  ARRAY(SELECT id FROM chosen)) AS t
 ),
 claimed AS (
     UPDATE agent_work_queue q
@@ -434,8 +349,9 @@ claimed AS (
         locked_until = now() + make_interval(secs => %(visibility_timeout)s),
         attempts = q.attempts + 1,
         -- a task under limits: the database time its limits admitted it (what they count)
+        -- (and evaluating it charges the lanes: `charged`)
         updated_at = CASE WHEN q.limits IS NULL THEN now()
-                          ELSE (SELECT t FROM limit_clock) END
+                          ELSE (SELECT t FROM charged) END
     WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
               q.attempts, q.max_attempts, q.locked_until, q.run_after
@@ -462,8 +378,7 @@ FROM claimed
 UNION ALL
 -- every lane of a limit was held by other claims: the worker should come back at once
 (SELECT 'wait', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
- FROM limit_conf f
- WHERE f.name NOT IN (SELECT limit_name FROM limit_lanes)
+ FROM admit WHERE wait
  LIMIT 1);
 
 -- name: limit_next_room
