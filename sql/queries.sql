@@ -210,7 +210,10 @@ FROM claimed;
 --
 -- Limits (docs/flow-control.md): for each limit the candidates name, the claim takes
 -- one of its lanes (agent_limit_lane, migration 0010) with FOR NO KEY UPDATE SKIP
--- LOCKED, reading its newest version and holding it until commit; a lane another claim
+-- LOCKED, reading its newest version and holding it until commit (in the functions
+-- jobrunner_limit_admit and jobrunner_limit_charge, migration 0013, whose statements
+-- take fresh snapshots: locked here, a lane other claims keep changing made every claim
+-- re-initialise all of this statement's CTEs for an EvalPlanQual recheck); a lane another claim
 -- holds is skipped, never waited for, and when every lane of a limit is held, its tasks
 -- are not claimed this time (the 'wait' row asks the worker to come back at once).
 -- Claims of tasks without limits never touch those rows. The clock of the admission is
@@ -283,8 +286,8 @@ candidates AS (
           SELECT 1 FROM agent_shard_lease s
           WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
       -- Limits that exist and are not visibly full (blocked, or their next request or
-      -- token not due yet); the check that counts is limit_check, under the locks. (The
-      -- clock, not now(): a claim that committed after this transaction started may have
+      -- token not due yet); the check that counts is jobrunner_limit_admit's, under the
+      -- locks. (The clock, not now(): a claim that committed after this transaction started may have
       -- moved a limit's TAT past now() and still leave room at this instant.)
       -- (One array for the whole statement, not a subquery per row: a row another claim
       -- took after this snapshot is re-checked by EvalPlanQual, which starts up the
