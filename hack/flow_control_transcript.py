@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -62,7 +64,9 @@ def main() -> int:
 
     def jobrunner(args: str) -> None:
         r = subprocess.run([sys.executable, "-m", "jobrunner", *args.split()], env=env,
-                           text=True, capture_output=True, check=True, cwd=REPO)
+                           text=True, capture_output=True, cwd=REPO)
+        if r.returncode:
+            raise SystemExit(f"jobrunner {args}: exit {r.returncode}\n{r.stdout}{r.stderr}")
         out.block(f"jobrunner {args}", r.stdout + r.stderr)
 
     def kubectl(args: list[str], shown: str | None = None) -> str:
@@ -93,6 +97,7 @@ for every worker without using an attempt. `t+` is the time since the script sta
 The limit: 4 requests and 4,000 tokens per 2 s (2 calls per second for the 4 workers
 x 2 tasks each that the example runs):
 """)
+        jobrunner("migrate")
         jobrunner("limit set llm --requests 4 --tokens 4000 --per 2")
 
         doc = yaml.safe_load((REPO / "examples" / "summarise.yaml").read_text())
@@ -116,21 +121,40 @@ x 2 tasks each that the example runs):
         r = cluster.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(doc))
         out.block(f"kubectl apply -n {NS} -f summarise-limited.yaml", r.stdout)
 
-        last, seen_limit_list, phase = "", 0, ""
+        last, phase, showed_block, showed_pace = "", "", False, False
+        samples: list[tuple[float, int]] = []  # (time, tasks done) while Running
         deadline = time.monotonic() + 600
         while phase not in ("Succeeded", "Failed") and time.monotonic() < deadline:
             table = cluster.kubectl("get", "br", "-n", NS).stdout
             br = json.loads(cluster.kubectl("get", "br", NAME, "-n", NS, "-o", "json").stdout)
-            phase = (br.get("status") or {}).get("phase", "")
+            st = br.get("status") or {}
+            phase = st.get("phase", "")
             body = "\n".join(table.splitlines()[1:])
             if body.split()[1:5] != last.split()[1:5]:
                 out.block(f"kubectl get br -n {NS}", table)
                 last = body
-            if phase == "Running" and seen_limit_list < 2 and (
-                    br["status"].get("counts", {}).get("done", 0) >= 8 * (seen_limit_list + 1)):
-                seen_limit_list += 1
+            limit = (st.get("limits") or [{}])[0]
+            if not showed_block and limit.get("blockedForSeconds"):
+                showed_block = True  # a 429 blocks the limit for every worker
+                out.text("A 429 came back: the limit is blocked for every worker until its "
+                         "Retry-After has passed (no attempt used):")
+                out.block(f"kubectl get br {NAME} -n {NS} -o jsonpath='{{.status.limits[0]}}'",
+                          json.dumps(limit))
                 jobrunner("limit list")
-            time.sleep(2)
+            if phase == "Running":
+                samples.append((time.monotonic(), st.get("counts", {}).get("done", 0)))
+                if not showed_pace and showed_block and samples[-1][1] >= 24:
+                    showed_pace = True
+                    out.text("Mid-run (`requests used` is the GCRA backlog of the current "
+                             "period: a limit used at its rate, not ahead of it, reads low):")
+                    jobrunner("limit list")
+            time.sleep(1)
+        paced = [x for x in samples if x[1] >= 8]
+        if len(paced) >= 2 and paced[-1][0] > paced[0][0]:
+            rate = (paced[-1][1] - paced[0][1]) / (paced[-1][0] - paced[0][0])
+            out.text(f"From {paced[0][1]} to {paced[-1][1]} chunks done the batch ran at "
+                     f"{rate:.2f} chunks/s: the limit's 2 requests/s (8 tasks could run at "
+                     "once, each taking about 0.3 s).")
 
         out.text("Finished: the batch's tokens and cost, in the BatchRun and in the queue.")
         kubectl(["get", "br", "-n", NS, "-o", "wide"])
@@ -141,6 +165,13 @@ x 2 tasks each that the example runs):
         out.block(f"kubectl get br {NAME} -n {NS} -o yaml   # status, excerpt",
                   yaml.safe_dump({"status": excerpt}, sort_keys=False))
         jobrunner(f"usage --batch {st['batchId']}")
+        assert controller is not None
+        url = f"http://127.0.0.1:{controller.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            scraped = response.read().decode()
+        wanted = re.compile(r"^jobrunner_(limit_|batchrun_(tokens|cost))")
+        out.block(f"curl -s {url} | grep -E '^jobrunner_(limit_|batchrun_(tokens|cost))'",
+                  "\n".join(line for line in scraped.splitlines() if wanted.match(line)))
         jobrunner(f"status --batch {st['batchId']}")
         events = cluster.kubectl("get", "events", "-n", NS, "--field-selector",
                                  "involvedObject.kind=BatchRun", "--sort-by=.lastTimestamp",
