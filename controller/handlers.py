@@ -20,7 +20,7 @@ from jobrunner.manifest import BatchRunSpec, parse_batchrun
 from jobrunner.redact import redact_text
 from jobrunner.results import top_errors_status
 
-from . import metrics, pods
+from . import flowcontrol, metrics, pods
 from .conditions import get_condition, now_iso, set_condition
 from .config import CONFIG, GROUP, PLURAL, VERSION
 from .database import DatabaseProblem, queue_for, read_dsn
@@ -170,7 +170,11 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
         dsn = read_dsn(ns, secret, key)
         with queue_for(dsn) as queue:
             if not milestones.get("enqueued"):
-                message = _enqueue(queue, run, batch_id)
+                try:
+                    flowcontrol.check_limits(queue, run)
+                    message = _enqueue(queue, run, batch_id)
+                except BadInput as exc:
+                    _refuse(body, st, patch, conditions, new, exc, generation)
                 milestones["enqueued"] = True
                 conditions = set_condition(conditions, "Enqueued", True, "Enqueued", message,
                                            generation)
@@ -182,6 +186,9 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
             counts = queue.counts(batch_id)
             counts["stuck"] = queue.health(batch_id)["stuck"]
             new.update(_outcome_status(queue, st, batch_id, counts, reduce))
+            new["budget"] = flowcontrol.apply_budget(queue, run, st, batch_id)
+            flow = flowcontrol.observe(queue, run, st, batch_id)
+            new.update(flow.status)
     except DatabaseProblem as problem:
         _database_problem(body, st, patch, conditions, milestones, new, problem, generation)
         raise kopf.TemporaryError(_safe(str(problem)),
@@ -213,6 +220,12 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
                        f"{pods.START_TIMEOUT:g}s. {message}. Unfinished tasks stay in the queue: "
                        f"retry with a new BatchRun with source: external and batchId {batch_id}")
             _stop_job(job)
+    phase, reason, message = flowcontrol.budget_phase(phase, reason, message, flow, counts,
+                                                      name)
+    conditions, budget_event = flowcontrol.budget_condition(conditions, phase, message, flow,
+                                                            generation)
+    if budget_event:
+        _event(body, *budget_event)
     new.update(phase=phase, counts=counts, message=message, observedGeneration=generation)
     if phase in TERMINAL:
         new["completionTime"] = st.get("completionTime") or now_iso()
@@ -222,6 +235,7 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
     new["conditions"] = conditions
     _apply(patch, st, new)
     metrics.record(ns, name, phase, counts)
+    flowcontrol.record_metrics(ns, name, flow)
 
 
 def _settle_leases(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
@@ -248,9 +262,29 @@ def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str) -> str:
         total = sum(queue.counts(batch_id).values())
         return f"batch {batch_id}: {total} task(s) enqueued externally{reduce}"
     result = queue.enqueue(batch_id, run.tenant, run.tasks, max_attempts=run.max_attempts,
-                           reduce=run.reduce.as_json() if run.reduce else None)
+                           reduce=run.reduce.as_json() if run.reduce else None,
+                           **flowcontrol.enqueue_options(run))
+    limits = f"; limits: {', '.join(run.limits)}" if run.limits else ""
     return (f"batch {batch_id}: {result.new} task(s) enqueued"
-            + (f", {result.existing} already there" if result.existing else "") + reduce)
+            + (f", {result.existing} already there" if result.existing else "") + reduce
+            + limits)
+
+
+def _refuse(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
+            conditions: list[dict[str, Any]], new: dict[str, Any], exc: BadInput,
+            generation: int) -> None:
+    """The queue refused the run's tasks (an unknown limit, a cancelled batch, ...):
+    nothing was written; the run fails with the reason, for good."""
+    message = _safe(str(exc))
+    reason = "UnknownLimit" if isinstance(exc, flowcontrol.UnknownLimit) else "EnqueueRefused"
+    conditions = set_condition(conditions, "Enqueued", False, reason, message, generation)
+    conditions = _conditions(conditions, "Failed", reason, message, {}, generation)
+    _apply(patch, st, {**new, "phase": "Failed", "message": message, "conditions": conditions,
+                       "observedGeneration": generation,
+                       "completionTime": st.get("completionTime") or now_iso()})
+    _event(body, "Warning", reason, message=message)
+    metrics.record(body.metadata.namespace, body.metadata.name, "Failed", {})
+    raise kopf.PermanentError(message)
 
 
 def _outcome_status(queue: Any, st: dict[str, Any], batch_id: str, counts: dict[str, int],
@@ -439,7 +473,7 @@ def _conditions(conditions: list[dict[str, Any]], phase: str, reason: str, messa
     # kstatus (Flux, kubectl wait): Reconciling while the batch runs, Stalled on failure,
     # Ready once it succeeded.
     conditions = set_condition(conditions, "Reconciling",
-                               phase in ("Running", "Reducing", "Pending"),
+                               phase in ("Running", "Reducing", "Pending", "BudgetExhausted"),
                                reason, message, generation)
     conditions = set_condition(conditions, "Stalled", phase == "Failed", reason, message,
                                generation)

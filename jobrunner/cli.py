@@ -14,6 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from jobrunner.limits import BatchUsage
+
 from . import db
 from .cli_limits import register as register_flow_control
 from .errors import BadInput, JobrunnerError
@@ -196,6 +198,9 @@ def status(batch: BatchOpt,
         print(json.dumps({**counts, "total": sum(counts.values()), **health,
                           "top_errors": [group.as_json() for group in top],
                           "tokens": used.tokens, "cost": float(used.cost),
+                          "budget": {"tokens": used.budget_tokens,
+                                     "cost": None if used.budget_cost is None
+                                     else float(used.budget_cost)},
                           "budget_exhausted": used.exhausted, "reduce": step}))
         return
     table = Table(title=f"batch {batch}", show_header=True)
@@ -206,7 +211,7 @@ def status(batch: BatchOpt,
     oldest = health["oldest_pending_seconds"]
     out.print(f"oldest pending: {'-' if oldest is None else f'{oldest:.1f}s'}   "
               f"stuck leases: {health['stuck']}   tokens: {used.tokens:,}   cost: {used.cost:g}"
-              + ("   budget exhausted" if used.exhausted else ""))
+              + _budget_text(used))
     if top:
         out.print(top_errors_table(top))
     if reduce is not None and reduce.configured:
@@ -308,3 +313,12 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _budget_text(used: BatchUsage) -> str:
+    """The budget beside the usage, when the batch has one."""
+    parts = ([f"{used.budget_tokens:,} tokens"] if used.budget_tokens is not None else []) + (
+        [f"cost {used.budget_cost:g}"] if used.budget_cost is not None else [])
+    if not parts:
+        return ""
+    return f"   budget: {', '.join(parts)}" + (" (exhausted)" if used.exhausted else "")

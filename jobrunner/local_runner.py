@@ -116,13 +116,18 @@ def _run(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, n_workers:
         step = spec.reduce.as_json() if spec.reduce else None
         if spec.tasks is not None:
             result = queue.enqueue(batch_id, spec.tenant, spec.tasks,
-                                   max_attempts=spec.max_attempts, reduce=step)
+                                   max_attempts=spec.max_attempts, reduce=step,
+                                   limits=list(spec.limits) if spec.limits else None,
+                                   tokens=spec.tokens)
             console.print(f"batch [bold]{batch_id}[/]: {result.new} task(s) enqueued, "
                           f"{result.existing} already there"
                           + (f"; reduce: {spec.reduce.describe()}" if spec.reduce else ""))
         else:
             queue.batch(batch_id)
             reduce_step.attach(conn, batch_id, spec.reduce)
+        if spec.budget_tokens is not None or spec.budget_cost is not None:
+            queue.set_budget(batch_id, tokens=spec.budget_tokens,
+                             cost=str(spec.budget_cost) if spec.budget_cost else None)
         start = time.monotonic()
         done_before = queue.counts(batch_id)["done"]
         procs = [_Proc(i, _spawn(spec, manifest, batch_id, dsn, i)) for i in range(n_workers)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,10 @@ from .errors import BadInput
 from .reduce import ReduceSpec, parse_reduce
 from .validation import (
     MAX_ATTEMPTS_LIMIT,
+    MAX_TOKENS,
     TaskSpec,
     check_identifier,
+    check_limit_names,
     encode_payload,
 )
 
@@ -33,8 +36,12 @@ SPEC_FIELDS = {
     "tenant", "batchId", "shards", "shardRange", "source", "workers", "concurrency",
     "batchSize", "visibilityTimeoutSeconds", "heartbeatSeconds", "maxAttempts",
     "backoffBaseSeconds", "backoffCapSeconds", "activeDeadlineSeconds", "handler",
-    "command", "template", "database", "suspend", "reduce",
+    "command", "template", "database", "suspend", "reduce", "limits", "tokens", "budget",
 }
+BUDGET_FIELDS = {"tokens", "cost"}
+# spec.budget.cost: a decimal string (Kubernetes API conventions avoid floats in specs;
+# the CRD checks the same pattern), at most 12 digits before the point and 9 after.
+COST_PATTERN = re.compile(r"^[0-9]{1,12}(\.[0-9]{1,9})?$")
 
 # spec.template: a subset of the Kubernetes PodTemplate, with Kubernetes' own names.
 TEMPLATE_FIELDS = {
@@ -98,6 +105,12 @@ class BatchRunSpec:
     database: Mapping[str, Any] = field(default_factory=dict)
     suspend: bool = False
     reduce: ReduceSpec | None = None  # runs once after every task (jobrunner/reduce.py)
+    # Flow control (docs/flow-control.md): the limits and token estimate of every task
+    # enqueued from the spec, and the batch's budget (None: no budget of that kind).
+    limits: tuple[str, ...] | None = None
+    tokens: int | None = None
+    budget_tokens: int | None = None
+    budget_cost: Decimal | None = None
 
     def effective_deadline(self) -> int:
         """The Job's activeDeadlineSeconds: the user's, or a safe default that outlives any
@@ -232,6 +245,7 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest") -> BatchRun
     if not isinstance(suspend, bool):
         raise BadInput(f"{where}: spec.suspend must be true or false")
     max_attempts = _int(spec, "maxAttempts", 8, 1, MAX_ATTEMPTS_LIMIT, where) or 8
+    limits, tokens, budget_tokens, budget_cost = _flow_control(spec, where)
 
     return BatchRunSpec(
         name=name, namespace=meta.get("namespace") or "default", tenant=tenant,
@@ -244,7 +258,50 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest") -> BatchRun
         backoff_base=base, backoff_cap=cap, active_deadline=deadline,
         handler=handler, command=tuple(command) if command else None,
         template=template, database=database, suspend=suspend,
-        reduce=parse_reduce(spec.get("reduce"), where, max_attempts))
+        reduce=parse_reduce(spec.get("reduce"), where, max_attempts),
+        limits=limits, tokens=tokens, budget_tokens=budget_tokens, budget_cost=budget_cost)
+
+
+def _flow_control(spec: Mapping[str, Any], where: str
+                  ) -> tuple[tuple[str, ...] | None, int | None, int | None, Decimal | None]:
+    """spec.limits, spec.tokens and spec.budget, checked as the CRD checks them."""
+    limits = spec.get("limits")
+    if limits is not None:
+        if not isinstance(limits, list) or not limits:
+            raise BadInput(f"{where}: spec.limits must be a non-empty list of limit names")
+        if len(set(limits)) != len(limits):
+            raise BadInput(f"{where}: spec.limits names a limit twice")
+        limits = check_limit_names(limits, f"{where}: spec.limits")
+    if limits is not None and "source" in spec:
+        raise BadInput(f"{where}: spec.limits and spec.tokens apply to the tasks the run "
+                       "enqueues; with source: external, name them in the tasks you enqueue")
+    tokens = _int(spec, "tokens", None, 1, MAX_TOKENS, where)
+    if tokens is not None and "source" in spec:
+        raise BadInput(f"{where}: spec.limits and spec.tokens apply to the tasks the run "
+                       "enqueues; with source: external, name them in the tasks you enqueue")
+    budget = spec.get("budget")
+    if budget is None:
+        return limits, tokens, None, None
+    if not isinstance(budget, Mapping) or not budget:
+        raise BadInput(f"{where}: spec.budget must be a mapping with tokens and/or cost")
+    unknown = set(budget) - BUDGET_FIELDS
+    if unknown:
+        raise BadInput(f"{where}: unknown field(s) in spec.budget: {', '.join(sorted(unknown))}")
+    budget_tokens = budget.get("tokens")
+    if budget_tokens is not None and (isinstance(budget_tokens, bool) or not isinstance(
+            budget_tokens, int) or not 1 <= budget_tokens <= MAX_TOKENS):
+        raise BadInput(f"{where}: spec.budget.tokens must be a whole number between 1 and "
+                       f"{MAX_TOKENS}, got {budget_tokens!r}")
+    cost = budget.get("cost")
+    budget_cost = None
+    if cost is not None:
+        if not isinstance(cost, str) or not COST_PATTERN.match(cost):
+            raise BadInput(f"{where}: spec.budget.cost must be a decimal number in quotes, "
+                           f"such as \"12.50\", got {cost!r}")
+        budget_cost = Decimal(cost)
+        if budget_cost <= 0:
+            raise BadInput(f"{where}: spec.budget.cost must be greater than 0, got {cost!r}")
+    return limits, tokens, budget_tokens, budget_cost
 
 
 def _tasks(spec: Mapping[str, Any], kind: str, where: str) -> tuple[TaskSpec, ...] | None:

@@ -70,11 +70,34 @@ def test_external_source():
      "payload must be a JSON object"),
     ({"shardRange": None, "source": "kafka"}, "spec.source must be 'external'"),
     ({"tenant": "a\x00b"}, "NUL byte"),
+    ({"limits": []}, "spec.limits must be a non-empty list"),
+    ({"limits": ["a", "a"]}, "spec.limits names a limit twice"),
+    ({"limits": [""]}, "limit name must not be empty"),
+    ({"tokens": 0}, "spec.tokens must be between 1"),
+    ({"tokens": -3}, "spec.tokens must be between 1"),
+    ({"shardRange": None, "source": "external", "limits": ["a"]},
+     "with source: external, name them in the tasks"),
+    ({"budget": {}}, "spec.budget must be a mapping with tokens and/or cost"),
+    ({"budget": {"tokens": 0}}, "spec.budget.tokens must be a whole number between 1"),
+    ({"budget": {"cost": "0.00"}}, "spec.budget.cost must be greater than 0"),
+    ({"budget": {"cost": "-1"}}, "spec.budget.cost must be a decimal number in quotes"),
+    ({"budget": {"cost": 12.5}}, "spec.budget.cost must be a decimal number in quotes"),
+    ({"budget": {"dollars": "1"}}, "unknown field(s) in spec.budget: dollars"),
 ])
 def test_rejected_specs(changes, message):
     with pytest.raises(BadInput, match=None) as info:
         parse_batchrun(spec_with(**changes))
     assert message in str(info.value)
+
+
+def test_flow_control_fields():
+    run = parse_batchrun(spec_with(limits=["openai", "gpu"], tokens=1800,
+                                   budget={"tokens": 2_000_000, "cost": "40.50"}))
+    assert run.limits == ("openai", "gpu") and run.tokens == 1800
+    assert (run.budget_tokens, str(run.budget_cost)) == (2_000_000, "40.50")
+    plain = parse_batchrun(spec_with())
+    assert (plain.limits, plain.tokens, plain.budget_tokens, plain.budget_cost) == (
+        None, None, None, None)
 
 
 def test_every_example_manifest_parses():
