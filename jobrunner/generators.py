@@ -333,12 +333,15 @@ def run(task: Task, spec: GeneratorSpec, step: Callable[[Task], Iterator[tuple[s
             if entry is _END:
                 break
             if isinstance(entry, BaseException):
+                _flush_before_failing(flush, entry)
                 raise entry
             where, item = entry
             try:
                 spec_ = to_task(where, item)
             except BadInput as exc:
-                raise PermanentError(str(exc)) from None
+                error = PermanentError(str(exc))
+                _flush_before_failing(flush, error)
+                raise error from None
             progress.yielded += 1
             if not chunk:
                 first_at = time.monotonic()
@@ -349,6 +352,18 @@ def run(task: Task, spec: GeneratorSpec, step: Callable[[Task], Iterator[tuple[s
     finally:
         pump.stop.set()
     return progress
+
+
+def _flush_before_failing(flush: Callable[[], None], error: BaseException) -> None:
+    """The tasks yielded before an error are enqueued (kept, and a re-run finds them
+    there); an error of that last chunk itself must not hide the generator's own."""
+    if isinstance(error, LeaseLost):
+        return
+    try:
+        flush()
+    except Exception as exc:
+        log.warning("generator failed (%s); its last chunk was not enqueued either: %s",
+                    error, exc)
 
 
 class WithGenerator:

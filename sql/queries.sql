@@ -1124,9 +1124,10 @@ FROM agent_batch WHERE batch_id = %(batch_id)s;
 -- name: generator_enqueue
 -- The batch's generator step and its task (after ensure_batch locked the batch row):
 -- idempotent on (batch_id, task_key), so a controller that restarts mid-enqueue, or a
--- second `jobrunner run`, inserts it once; a generator that already ran is not run again.
+-- second `jobrunner run`, inserts it once; a generator that already ran is not run again,
+-- and the step first given to the batch stays its step.
 WITH step AS (
-    UPDATE agent_batch SET generator = %(generator)s::jsonb
+    UPDATE agent_batch SET generator = coalesce(generator, %(generator)s::jsonb)
     WHERE batch_id = %(batch_id)s
     RETURNING batch_id, tenant_id
 )
