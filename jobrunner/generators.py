@@ -489,6 +489,14 @@ class GeneratorState:
         return f"generator {name} was cancelled with its batch"
 
 
+def status_json(st: GeneratorState | None) -> dict[str, Any] | None:
+    """`jobrunner status --json`'s generator: None when the batch has none."""
+    if st is None or st.spec is None:
+        return None
+    return {"step": st.spec.describe(), "state": st.phase(), "attempts": st.attempts,
+            "error": st.last_error, "result": dict(st.result) if st.result else None}
+
+
 def state(conn: psycopg.Connection, batch_id: str) -> GeneratorState | None:
     """The batch's generator and its task, lock-free (None: no such batch)."""
     with conn.transaction():
