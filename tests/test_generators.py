@@ -128,6 +128,21 @@ def test_a_generator_that_fails_for_good_keeps_its_tasks_and_the_batch_unsettled
     assert reduce.trigger(conn, "b").phase() == "waiting"
 
 
+def test_the_reduce_runs_once_after_the_generator_and_all_its_tasks(dsn, conn, tmp_path):
+    # Chunks of 50 with a pause: without the generator's row keeping the batch open, the
+    # first chunk's tasks would all be done (the batch settled) before the second chunk.
+    start(conn, args={"count": 400, "every": 50, "pause": 0.3}, chunk=50,
+          reduce_step={"handler": "tests.support.reduce_handlers:count", "onDead": "fail"})
+    procs = workers(dsn, 3, "--concurrency", "2", "--batch-size", "10", tmp_path=tmp_path)
+    assert [p.wait(90) for p in procs] == [0, 0, 0]
+    assert generator_row(conn)["status"] == "done"
+    reduce_task = one(conn, "SELECT status::text, attempts, created_at FROM agent_work_queue"
+                            " WHERE batch_id = 'b' AND task_key = '__reduce__'")
+    assert (reduce_task["status"], reduce_task["attempts"]) == ("done", 1)
+    assert reduce.batch_result(conn, "b").value() == 400  # it saw every generated task
+    assert reduce_task["created_at"] >= generator_row(conn)["finished_at"]
+
+
 def test_a_bad_item_fails_the_generator_at_once_with_its_position(dsn, conn, tmp_path):
     start(conn, "tests.support.generator_handlers:bad_item")
     assert [p.wait(60) for p in workers(dsn, 1, tmp_path=tmp_path)] == [0]
