@@ -128,7 +128,6 @@ def parse_generator(raw: Any, where: str, max_attempts: int = 8) -> GeneratorSpe
 
 
 # -- the step itself ------------------------------------------------------------------
-Items = Iterator[Any]  # dicts of the JSON-lines form (or TaskSpec), each with its "where"
 
 
 def load(spec: GeneratorSpec) -> Callable[[Task], Iterator[tuple[str, Any]]]:
