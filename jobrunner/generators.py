@@ -126,7 +126,6 @@ def parse_generator(raw: Any, where: str, max_attempts: int = 8) -> GeneratorSpe
                          args=dict(args), chunk_size=chunk, max_attempts=attempts,
                          task_max_attempts=max_attempts)
 
-
 # -- the step itself ------------------------------------------------------------------
 
 
