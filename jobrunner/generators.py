@@ -126,9 +126,8 @@ def parse_generator(raw: Any, where: str, max_attempts: int = 8) -> GeneratorSpe
                          args=dict(args), chunk_size=chunk, max_attempts=attempts,
                          task_max_attempts=max_attempts)
 
+
 # -- the step itself ------------------------------------------------------------------
-
-
 def load(spec: GeneratorSpec) -> Callable[[Task], Iterator[tuple[str, Any]]]:
     """The step as a callable of the task that yields (where, item); BadInput says what is
     wrong (a module that does not import, a function that does not take (task, args),
