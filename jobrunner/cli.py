@@ -173,6 +173,7 @@ def status(batch: BatchOpt,
            dsn: DsnOpt = None) -> None:
     """Counts per status, oldest pending age, stuck leases, the most frequent errors, and
     the reduce step with the batch's result."""
+    from . import generators
     from .local_runner import existing_database
     from .reduce import STATUS_RESULT_BYTES, batch_result
     from .reduce import state as reduce_state
@@ -184,6 +185,7 @@ def status(batch: BatchOpt,
         counts = q.counts(batch)
         health = q.health(batch)
         reduce = reduce_state(q.conn, batch)
+        gen = generators.state(q.conn, batch)
         failed = counts["dead"] or (reduce is not None and reduce.task_status == "dead")
         top = top_errors(q.conn, batch) if failed else []  # (a dead reduce among them)
         used = q.usage(batch, by_status=False)  # tokens and cost (jobrunner/limits.py)
@@ -201,7 +203,8 @@ def status(batch: BatchOpt,
                           "budget": {"tokens": used.budget_tokens,
                                      "cost": None if used.budget_cost is None
                                      else float(used.budget_cost)},
-                          "budget_exhausted": used.exhausted, "reduce": step}))
+                          "budget_exhausted": used.exhausted, "reduce": step,
+                          "generator": generators.status_json(gen)}))
         return
     table = Table(title=f"batch {batch}", show_header=True)
     for name in ("pending", "leased", "done", "dead", "cancelled", "total"):
@@ -214,6 +217,8 @@ def status(batch: BatchOpt,
               + _budget_text(used))
     if top:
         out.print(top_errors_table(top))
+    if gen is not None and gen.configured:
+        out.print(gen.describe(), markup=False, highlight=False)
     if reduce is not None and reduce.configured:
         out.print(f"reduce: {reduce.describe(counts)}", markup=False, highlight=False)
         if result is not None and result.stored:

@@ -68,7 +68,20 @@ def test_external_source():
     ({"shardRange": None, "shards": [{"key": "a"}, {"key": "a"}]}, "is used twice"),
     ({"shardRange": None, "shards": [{"key": "a", "payload": [1]}]},
      "payload must be a JSON object"),
-    ({"shardRange": None, "source": "kafka"}, "spec.source must be 'external'"),
+    ({"shardRange": None, "source": "kafka"}, "spec.source must be a mapping with one of"),
+    ({"shardRange": None, "source": {"kafka": {}}}, "spec.source: unknown field(s) kafka"),
+    ({"shardRange": None, "source": {"external": {}, "file": "x.jsonl"}},
+     "exactly one of external, generator, configMap, file (found external, file)"),
+    ({"shardRange": None, "source": {"generator": {"handler": "m:g", "command": ["x"]}}},
+     "exactly one of handler (module:function) or command"),
+    ({"shardRange": None, "source": {"generator": {"handler": "m:g", "chunkSize": 0}}},
+     "chunkSize must be an integer from 1 to 10000"),
+    ({"shardRange": None, "source": {"generator": {"handler": "m:g", "args": [1]}}},
+     "args must be a mapping"),
+    ({"shardRange": None, "source": {"configMap": {"name": "tasks"}}},
+     "spec.source.configMap.key is required"),
+    ({"shardRange": None, "source": {"file": "tasks.jsonl"}},
+     "a file is read by `jobrunner run` only"),
     ({"tenant": "a\x00b"}, "NUL byte"),
     ({"limits": []}, "spec.limits must be a non-empty list"),
     ({"limits": ["a", "a"]}, "spec.limits names a limit twice"),
@@ -76,6 +89,8 @@ def test_external_source():
     ({"tokens": 0}, "spec.tokens must be between 1"),
     ({"tokens": -3}, "spec.tokens must be between 1"),
     ({"shardRange": None, "source": "external", "limits": ["a"]},
+     "with source: external, name them in the tasks"),
+    ({"shardRange": None, "source": {"external": {}}, "tokens": 5},
      "with source: external, name them in the tasks"),
     ({"budget": {}}, "spec.budget must be a mapping with tokens and/or cost"),
     ({"budget": {"tokens": 0}}, "spec.budget.tokens must be a whole number between 1"),
@@ -268,3 +283,13 @@ def test_rejected_templates(template, message):
         parse_batchrun(spec_with(template=template))
     assert message in str(info.value)
     assert "(BatchRun demo)" in str(info.value)
+
+
+def test_generator_tasks_take_the_runs_flow_control_defaults():
+    run = parse_batchrun(spec_with(shardRange=None, limits=["openai"], tokens=900,
+                                   source={"generator": {"handler": "m:gen"}}))
+    assert run.generator is not None
+    assert (run.generator.limits, run.generator.tokens) == (("openai",), 900)
+    # kept with the generator's task (its spec is stored as JSON with the batch)
+    again = type(run.generator).from_json(run.generator.as_json())
+    assert (again.limits, again.tokens) == (("openai",), 900)

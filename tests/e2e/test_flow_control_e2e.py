@@ -115,7 +115,7 @@ BAD_SPECS = [
     ({"limits": []}, "spec.limits"),
     ({"limits": ["a", "a"]}, "spec.limits"),
     ({"limits": [""]}, "spec.limits"),
-    ({"source": "external", "shardRange": None, "limits": ["a"]},
+    ({"source": {"external": {}}, "shardRange": None, "limits": ["a"]},
      "spec.limits and spec.tokens apply to the tasks the run enqueues"),
 ]
 

@@ -123,6 +123,10 @@ clusterkopfpeerings, or "" for none).
   {{- with $root.Values.rbac.secretNames }}
   resourceNames: {{ toJson . }}
   {{- end }}
+# A BatchRun's source.configMap: its JSON lines are read once, when the run is enqueued.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get]
 {{- if .peering }}
 - apiGroups: [kopf.dev]
   resources: [{{ .peering }}]
