@@ -10,6 +10,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
+import psycopg
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -314,6 +315,12 @@ def main() -> None:
         _fail(str(exc), 2)
     except JobrunnerError as exc:
         _fail(str(exc), 1)
+    except psycopg.errors.UndefinedTable as exc:
+        # A database jobrunner never migrated (or an older schema): say what to run
+        # instead of a traceback.
+        _fail(f"the database has no jobrunner schema ({exc.diag.message_primary}): run "
+              "`jobrunner migrate --dsn ...` first (the controller and `jobrunner run` "
+              "do it themselves)", 1)
 
 
 if __name__ == "__main__":
