@@ -184,6 +184,7 @@ def _watch(queue: Queue, batch_id: str, procs: list[_Proc], spec: BatchRunSpec,
     started = time.monotonic()
     reducing = spec.reduce is not None
     generating = spec.generator is not None
+    budgeted = spec.budget_tokens is not None or spec.budget_cost is not None
     with Progress(*columns, console=console, transient=False, refresh_per_second=8) as progress:
         bar = progress.add_task("", total=None, dead=0, leased=0, retrying=0, rate="",
                                 reduce="")
@@ -204,6 +205,10 @@ def _watch(queue: Queue, batch_id: str, procs: list[_Proc], spec: BatchRunSpec,
             if reducing:
                 st = reduce_step.state(queue.conn, batch_id)
                 phase += f" · reduce: {st.phase(counts)}" if st else ""
+            if budgeted and counts["pending"] and queue.usage(batch_id, by_status=False).exhausted:
+                # claims stopped: say why, and how to resume, instead of a frozen bar
+                phase += (f" · [yellow]budget exhausted[/]: `jobrunner budget set --batch "
+                          f"{batch_id} ...` resumes")
             progress.update(bar, total=total, completed=finished, dead=counts["dead"],
                             leased=counts["leased"], retrying=retrying,
                             rate=f"{rate:.1f}/s", reduce=phase)
