@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, args.log_format)
     logging.getLogger("kopf").setLevel(args.log_level.upper())
     logging.getLogger("kopf.objects").addFilter(_QuietTimer())
-    from . import handlers  # noqa: F401  (registers the handlers)
+    from . import handlers, schedules  # noqa: F401  (registers BatchRun's, BatchRunSchedule's)
 
     metrics.serve(args.metrics_port)
     kopf.run(
