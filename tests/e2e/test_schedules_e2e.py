@@ -12,7 +12,8 @@ again after it:
 - `manual` (suspended): jobrunner.dev/trigger=<value> starts <name>-manual-<value> once,
   also after that run is deleted; no scheduled run while suspended.
 
-`kubectl get brs,br -w` runs throughout; its transcript is printed (docs/schedules.md).
+`kubectl get brs -w` and `kubectl get br -w` run throughout; their transcript is printed
+(docs/schedules.md).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import subprocess
+import threading
 import time
 
 import psycopg
@@ -88,20 +90,37 @@ def _status(k8s, ns: str, name: str) -> dict:
 
 
 def test_schedules_fire_by_the_minute_forbid_replace_history_restart_and_trigger(
-        k8s, namespace, dsn, operator, tmp_path):
+        k8s, namespace, dsn, operator):
     ns = namespace
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(EXEC_LOG_DDL)
-    transcript = tmp_path / "watch.txt"
-    with open(transcript, "w") as out:
-        watch = subprocess.Popen([k8s._bin("kubectl"), "get", "brs,br", "-n", ns, "-w"],
-                                 env=k8s.env, stdout=out, stderr=subprocess.STDOUT)
+    # kubectl watches one resource type at a time: one watch each, lines merged in the
+    # order they arrive, stamped with the wall clock
+    lines: list[str] = []
+    lock = threading.Lock()
+
+    def follow(kind: str) -> subprocess.Popen:
+        proc = subprocess.Popen([k8s._bin("kubectl"), "get", kind, "-n", ns, "-w"],
+                                env=k8s.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+        def pump() -> None:
+            for line in proc.stdout:
+                with lock:
+                    lines.append(f"{dt.datetime.now(UTC):%H:%M:%S}  {line.rstrip()}")
+
+        threading.Thread(target=pump, daemon=True).start()
+        return proc
+
+    watches = [follow("brs"), follow("br")]
     try:
         _run(k8s, ns, dsn, operator)
     finally:
-        watch.terminate()
-        watch.wait(10)
-        print("\n$ kubectl get brs,br -w\n" + transcript.read_text())
+        for w in watches:
+            w.terminate()
+            w.wait(10)
+        with lock:
+            print("\n$ kubectl get brs -w & kubectl get br -w\n" + "\n".join(lines))
 
 
 def _run(k8s, ns: str, dsn: str, operator) -> None:
