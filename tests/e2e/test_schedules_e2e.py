@@ -138,6 +138,7 @@ def _run(k8s, ns: str, dsn: str, operator) -> None:
     first = {name: _next_boundary(t) for name, t in created.items()}
     print(f"schedules created at {created['every']:%H:%M:%S}; first start time "
           f"{first['every']:%H:%M:%S}")
+    _bad_input(k8s, ns, operator)
 
     # --- the first start time: one run each, named by it
     for name in ("every", "forbid", "replace"):
@@ -240,3 +241,28 @@ def _run(k8s, ns: str, dsn: str, operator) -> None:
     assert "RunAlreadyActive" in reasons["forbid"], reasons
     assert {"SuccessfulCreate", "ReplacedRun"} <= reasons["replace"], reasons
     print(k8s.kubectl("get", "brs", "-n", ns).stdout)
+
+
+def _bad_input(k8s, ns: str, operator) -> None:
+    """Refused at apply (CRD rules), or reported in conditions (and Events)."""
+    shared = _schedule("shared", {**_quick("x"), "batchId": "one-batch"})
+    r = k8s.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(shared), check=False)
+    assert r.returncode != 0 and "batchId must not be set" in r.stderr, r.stderr
+    bad = [_schedule("bad-template", {**_quick("x"), "workers": 0}),
+           _schedule("bad-zone", _quick("x"), timeZone="Mars/Olympus")]
+    k8s.kubectl("apply", "-n", ns, "-f", "-", input="\n---\n".join(json.dumps(b) for b in bad))
+
+    def stalled(name: str) -> dict | None:
+        conds = {c["type"]: c for c in _status(k8s, ns, name).get("conditions") or []}
+        stall = conds.get("Stalled")
+        return conds if stall and stall["status"] == "True" else None
+
+    conds = _wait("bad-template Stalled", lambda: stalled("bad-template"), 30,
+                  controller=operator)
+    assert conds["TemplateValid"]["status"] == "False"
+    assert "spec.workers" in conds["TemplateValid"]["message"], conds["TemplateValid"]
+    print(f"refused template: {conds['TemplateValid']['message']}")
+    conds = _wait("bad-zone Stalled", lambda: stalled("bad-zone"), 30, controller=operator)
+    assert conds["Ready"]["reason"] == "InvalidSchedule"
+    assert "'Mars/Olympus' is not an IANA time zone" in conds["Ready"]["message"]
+    k8s.kubectl("delete", "brs", "bad-template", "bad-zone", "-n", ns, "--wait=false")
