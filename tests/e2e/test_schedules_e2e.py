@@ -100,7 +100,8 @@ def test_schedules_fire_by_the_minute_forbid_replace_history_restart_and_trigger
     lock = threading.Lock()
 
     def follow(kind: str) -> subprocess.Popen:
-        proc = subprocess.Popen([k8s._bin("kubectl"), "get", kind, "-n", ns, "-w"],
+        proc = subprocess.Popen([k8s._bin("kubectl"), "get", kind, "-n", ns, "-w",
+                                 "--output-watch-events"],
                                 env=k8s.env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
 
@@ -120,7 +121,8 @@ def test_schedules_fire_by_the_minute_forbid_replace_history_restart_and_trigger
             w.terminate()
             w.wait(10)
         with lock:
-            print("\n$ kubectl get brs -w & kubectl get br -w\n" + "\n".join(lines))
+            print("\n$ kubectl get brs -w --output-watch-events &\n"
+                  "$ kubectl get br -w --output-watch-events\n" + "\n".join(lines))
 
 
 def _run(k8s, ns: str, dsn: str, operator) -> None:
