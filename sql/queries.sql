@@ -489,10 +489,18 @@ slots_freed AS (
 SELECT id, status, run_after FROM throttled;
 
 -- name: release
--- Graceful shutdown: give the task back without burning an attempt.
+-- Graceful shutdown: give the task back without burning an attempt. In a cancelled batch
+-- (its BatchRun deleted or replaced while the worker ran) it ends cancelled instead: no
+-- worker of that batch is left to claim it, so pending would strand it.
 WITH released_tasks AS (
     UPDATE agent_work_queue q
-    SET status = 'pending',
+    SET status = CASE WHEN EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = q.batch_id
+                                   AND b.cancelled_at IS NOT NULL)
+                      THEN 'cancelled' ELSE 'pending' END,
+        finished_at = CASE WHEN EXISTS (SELECT 1 FROM agent_batch b
+                                        WHERE b.batch_id = q.batch_id
+                                        AND b.cancelled_at IS NOT NULL)
+                           THEN now() END,
         attempts = q.attempts - 1,
         run_after = now(),
         locked_until = NULL,
@@ -518,7 +526,8 @@ SELECT id FROM released_tasks;
 
 -- name: expire
 -- Rescue leases whose holder stopped heartbeating: back to pending, or dead when the
--- attempts are used up. Rows locked by a concurrent transaction (a worker applying an
+-- attempts are used up, or cancelled in a cancelled batch (no worker of it is left to
+-- claim it). Rows locked by a concurrent transaction (a worker applying an
 -- effect under its lease, another expirer) are skipped and retried on the next tick.
 WITH expired AS (
     SELECT id FROM agent_work_queue
@@ -529,9 +538,15 @@ WITH expired AS (
 ),
 moved AS (
     UPDATE agent_work_queue q
-    SET status = CASE WHEN q.attempts >= q.max_attempts THEN 'dead' ELSE 'pending' END,
+    SET status = CASE WHEN EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = q.batch_id
+                                   AND b.cancelled_at IS NOT NULL) THEN 'cancelled'
+                      WHEN q.attempts >= q.max_attempts THEN 'dead' ELSE 'pending' END,
         run_after = now(),
-        finished_at = CASE WHEN q.attempts >= q.max_attempts THEN now() END,
+        finished_at = CASE WHEN q.attempts >= q.max_attempts
+                                OR EXISTS (SELECT 1 FROM agent_batch b
+                                           WHERE b.batch_id = q.batch_id
+                                           AND b.cancelled_at IS NOT NULL)
+                           THEN now() END,
         last_error = 'lease expired: ' || coalesce(q.lease_owner, '?')
                      || ' did not heartbeat or finish attempt ' || q.attempts
                      || ' before ' || q.locked_until,
