@@ -212,3 +212,19 @@ def test_a_cancelled_batch_strands_no_task_released_or_expired(queue: Queue, con
     (lease,) = queue.claim("c", "w-2")
     queue.release("w-2", [lease])
     assert queue.counts("c")["pending"] == 1
+
+
+def test_ticket_grading_schedule_example_matches_its_batchrun():
+    """examples/tickets-schedule.yaml runs exactly examples/tickets.yaml every night: the
+    template's spec is the BatchRun's (kept in step by this test), it parses as a
+    BatchRun, and its schedule has a next start in its time zone."""
+    from jobrunner.manifest import parse_batchrun
+
+    sched = yaml.safe_load((REPO / "examples/tickets-schedule.yaml").read_text())
+    run = yaml.safe_load((REPO / "examples/tickets.yaml").read_text())
+    assert sched["kind"] == "BatchRunSchedule"
+    assert sched["spec"]["batchRunTemplate"]["spec"] == run["spec"]
+    parse_batchrun({**run, "spec": sched["spec"]["batchRunTemplate"]["spec"]})
+    s = parse_schedule(sched["spec"]["schedule"], sched["spec"]["timeZone"])
+    nxt = s.after(t("2026-12-04T12:00:00+00:00"))
+    assert nxt == t("2026-12-05T01:30:00+00:00")  # 02:30 in Berlin (UTC+1 in winter)
