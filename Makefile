@@ -18,12 +18,12 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/jobrunner run examples/summarise.yaml
 
 # The whole test suite, with everything it needs (control-plane binaries built from Go
-# modules and cached by version, PgBouncer from Debian). Two pytest-xdist workers: the
-# e2e tests stay together on one of them (one node per machine) while the other runs the
-# rest; most tests wait on processes, leases and the cluster more than they compute.
+# modules and cached by version, PgBouncer from Debian). The e2e tests (one real node per
+# machine: one pytest process) run beside the rest, which uses TEST_WORKERS pytest-xdist
+# workers: hack/test-suite.sh.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed system-deps e2e-bins
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	PY=$(PY) TEST_WORKERS=$(TEST_WORKERS) hack/test-suite.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
