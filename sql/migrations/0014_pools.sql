@@ -105,11 +105,12 @@ BEGIN
     ranked AS (
         SELECT id, row_number() OVER (ORDER BY k, created_at, batch_id) AS j FROM pending
     )
-    UPDATE agent_work_queue q SET vtag = p_start + r.j * p_stride
+    -- (the first at p_start: the stream's next task keeps its turn)
+    UPDATE agent_work_queue q SET vtag = p_start + (r.j - 1) * p_stride
     FROM ranked r
     WHERE q.id = r.id AND q.status = 'pending';
     GET DIAGNOSTICS n = ROW_COUNT;
-    last := p_start + n * p_stride;
+    last := p_start + greatest(n - 1, 0) * p_stride;
     INSERT INTO agent_pool_stream AS s (pool, tenant_id, priority, last_tag)
     VALUES (p_pool, p_tenant, p_priority, last)
     ON CONFLICT (pool, tenant_id, priority) DO UPDATE SET last_tag = EXCLUDED.last_tag;
