@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 
 from .errors import BadInput
 from .sqlfiles import query
@@ -138,7 +138,7 @@ def batch_pool(conn: psycopg.Connection, batch_id: str) -> str | None:
 def reduce_due(conn: psycopg.Connection, pool: str) -> list[str]:
     """The pool's batches whose reduce step may still have to be enqueued."""
     with conn.transaction():
-        return [r[0] for r in conn.cursor().execute(query("pool_reduce_due"),
+        return [r[0] for r in conn.cursor(row_factory=tuple_row).execute(query("pool_reduce_due"),
                                                     {"pool": pool}).fetchall()]
 
 
@@ -148,7 +148,7 @@ def pool_open(q: Queue, pool: str) -> bool:
     from .reduce import trigger
 
     with q.conn.transaction():
-        if q.conn.cursor().execute(query("pool_open"), {"pool": pool}).fetchone()[0]:
+        if q.conn.cursor(row_factory=tuple_row).execute(query("pool_open"), {"pool": pool}).fetchone()[0]:
             return True
     running = False
     for batch_id in reduce_due(q.conn, pool):
