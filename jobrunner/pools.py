@@ -148,7 +148,8 @@ def pool_open(q: Queue, pool: str) -> bool:
     from .reduce import trigger
 
     with q.conn.transaction():
-        if q.conn.cursor(row_factory=tuple_row).execute(query("pool_open"), {"pool": pool}).fetchone()[0]:
+        cur = q.conn.cursor(row_factory=tuple_row)
+        if cur.execute(query("pool_open"), {"pool": pool}).fetchone()[0]:
             return True
     running = False
     for batch_id in reduce_due(q.conn, pool):

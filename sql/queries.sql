@@ -1101,6 +1101,9 @@ WITH lockable AS (
     FOR NO KEY UPDATE SKIP LOCKED
 ),
 acked AS (
+    -- ids, attempts and results (a JSON array) are parallel arrays: each row finds its
+    -- own entries by array_position, which keeps the plan to one index scan (a join to
+    -- unnest() cost a nested loop and a function scan per execution).
     UPDATE agent_work_queue q
     SET status = 'done',
         result = %(results)s::jsonb -> (array_position(%(ids)s::bigint[], q.id) - 1),

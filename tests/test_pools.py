@@ -309,3 +309,19 @@ def test_a_pool_batch_with_a_reduce_step_is_reduced_once(dsn, conn, tmp_path):
                        ).fetchone()
     assert row["reduced_at"] is not None and row["result"] == 30
     assert q.counts("r2")["done"] == 20
+
+
+def test_the_pool_claim_shares_the_ack_and_shard_halves_of_ack_and_claim():
+    """ack_and_claim_pool must ack, release and take shard leases exactly as ack_and_claim
+    does: the shared text is kept identical, so a change to one fails here."""
+    from jobrunner.sqlfiles import query
+
+    plain, pooled = query("ack_and_claim"), query("ack_and_claim_pool")
+
+    def between(text: str, start: str, end: str) -> str:
+        return text[text.index(start):text.index(end, text.index(start))]
+
+    for start, end in (("WITH lockable AS", "candidates AS ("),
+                       ("one_per_shard AS (", "claimed AS (")):
+        assert between(plain, start, end) == between(pooled, start, end)
+    assert "WHERE q.pool = %(pool)s" in pooled and "ORDER BY q.vtag, q.id" in pooled
