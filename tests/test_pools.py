@@ -4,6 +4,7 @@ Real PostgreSQL, real worker processes; times are the database's."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -325,3 +326,24 @@ def test_the_pool_claim_shares_the_ack_and_shard_halves_of_ack_and_claim():
                        ("one_per_shard AS (", "claimed AS (")):
         assert between(plain, start, end) == between(pooled, start, end)
     assert "WHERE q.pool = %(pool)s" in pooled and "ORDER BY q.vtag, q.id" in pooled
+
+
+def test_cli_enqueue_into_a_pool_set_weight_and_show(dsn, conn):
+    lines = "".join(f'{{"key": "k{i}", "payload": {{}}}}\n' for i in range(5))
+    r = cli("enqueue", "-", "--batch", "c1", "--tenant", "A", "--pool", "cp", "--priority", "1",
+            dsn=dsn, input=lines)
+    assert r.returncode == 0, r.stderr
+    row = conn.execute("SELECT pool, priority FROM agent_batch WHERE batch_id = 'c1'").fetchone()
+    assert row == {"pool": "cp", "priority": 1}
+    assert conn.execute("SELECT count(*) AS n FROM agent_work_queue WHERE pool = 'cp'"
+                        " AND vtag IS NOT NULL").fetchone()["n"] == 5
+    r = cli("enqueue", "-", "--batch", "c1", "--tenant", "A", "--pool", "other", dsn=dsn,
+            input=lines)
+    assert r.returncode == 2 and "belongs to pool 'cp'" in r.stderr
+    assert cli("pool", "set-weight", "cp", "A", "2.5", dsn=dsn).returncode == 0
+    r = cli("pool", "show", "cp", "--json", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [{"tenant_id": "A", "weight": 2.5, "batches": 1,
+                                     "pending": 5, "leased": 0}]
+    r = cli("pool", "set-weight", "cp", "A", "0", dsn=dsn)
+    assert r.returncode == 2 and "weight must be > 0" in r.stderr
