@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from .queue import Queue
 
 MIN_PRIORITY, MAX_PRIORITY = -3, 3
-MAX_WEIGHT = 1_000_000
+# (a stream's tag spacing stays within 10^-6..10^6: migration 0014)
+MIN_WEIGHT, MAX_WEIGHT = 0.001, 1000
 
 
 def check_pool(pool: Any) -> str:
@@ -52,8 +53,8 @@ def check_priority(priority: Any) -> int:
 def check_weight(weight: Any) -> float:
     if isinstance(weight, bool) or not isinstance(weight, int | float):
         raise BadInput(f"weight must be a number, got {weight!r}")
-    if not math.isfinite(weight) or not 0 < weight <= MAX_WEIGHT:
-        raise BadInput(f"weight must be > 0 and at most {MAX_WEIGHT}, got {weight}")
+    if not math.isfinite(weight) or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise BadInput(f"weight must be between {MIN_WEIGHT} and {MAX_WEIGHT}, got {weight}")
     return float(weight)
 
 

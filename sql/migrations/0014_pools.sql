@@ -45,7 +45,9 @@ CREATE TABLE agent_pool (
 CREATE TABLE agent_pool_tenant (
     pool       text        NOT NULL,
     tenant_id  text        NOT NULL,
-    weight     float8      NOT NULL DEFAULT 1 CHECK (weight > 0 AND weight <= 1000000),
+    -- (bounded so that a stream's tag spacing, 1/(weight * 10^priority), stays within
+    -- 10^-6..10^6: float8 tags keep that spacing exact far past any pool's lifetime)
+    weight     float8      NOT NULL DEFAULT 1 CHECK (weight >= 0.001 AND weight <= 1000),
     updated_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (pool, tenant_id)
 );
