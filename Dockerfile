@@ -25,6 +25,8 @@ COPY crds/ crds/
 # Core install only: the embedded PostgreSQL ([local] extra) is for laptops, not pods.
 # Dropped after the install: the kubernetes package's asyncio client (kubernetes.aio,
 # 65 MB with its bytecode; jobrunner and kopf use neither) and the venv's setuptools.
+# The kubernetes client (only the controller imports it) is kept as bytecode alone: its
+# generated sources are 34 MB that only tracebacks inside it would read.
 # All dependencies ship binary wheels (psycopg[binary]), so no compiler is needed.
 # A network that re-signs TLS needs its CA bundle for pip: pass it as a build secret
 # (`--secret id=ca-certificates,src=/etc/ssl/certs/ca-certificates.crt`); it is mounted
@@ -37,6 +39,8 @@ RUN --mount=type=secret,id=ca-certificates,required=false \
  && site=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
  && rm -rf "$site/kubernetes/aio" "$site/setuptools" "$site/pkg_resources" \
            "$site/_distutils_hack" "$site/distutils-precedence.pth" "$site"/setuptools-*.dist-info \
+ && /opt/venv/bin/python -m compileall -q -b "$site/kubernetes" \
+ && find "$site/kubernetes" -name '*.py' -delete \
  && /opt/venv/bin/python -m compileall -q /opt/venv \
  && /opt/venv/bin/pip uninstall -y pip
 

@@ -18,9 +18,12 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/jobrunner run examples/summarise.yaml
 
 # The whole test suite, with everything it needs (control-plane binaries built from Go
-# modules and cached by version, PgBouncer from Debian).
+# modules and cached by version, PgBouncer from Debian). Two pytest-xdist workers: the
+# e2e tests stay together on one of them (one node per machine) while the other runs the
+# rest; most tests wait on processes, leases and the cluster more than they compute.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed system-deps e2e-bins
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

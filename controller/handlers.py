@@ -14,18 +14,20 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from jobrunner import generators
 from jobrunner import reduce as reduce_step
 from jobrunner.errors import BadInput, UnknownBatch
 from jobrunner.manifest import BatchRunSpec, parse_batchrun
 from jobrunner.redact import redact_text
 from jobrunner.results import top_errors_status
 
-from . import metrics, pods
+from . import flowcontrol, metrics, pods
 from .conditions import get_condition, now_iso, set_condition
 from .config import CONFIG, GROUP, PLURAL, VERSION
 from .database import DatabaseProblem, queue_for, read_dsn
 from .jobs import api_error_detail, build_job, default_batch_id, job_name
 from .kube import batch_api
+from .sources import SourceUnavailable, config_map_source
 
 TERMINAL = ("Succeeded", "Failed", "Cancelled")
 log = logging.getLogger("jobrunner.controller")
@@ -165,12 +167,19 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
     batch_id = st.get("batchId") or run.batch_id or default_batch_id(ns, name, uid)
     new["batchId"] = batch_id
     secret, key = _db_secret(run)
+    tasks = run.tasks
+    if run.config_map is not None and not milestones.get("enqueued"):
+        tasks = _read_config_map(body, st, patch, run, conditions, milestones, new, generation)
 
     try:
         dsn = read_dsn(ns, secret, key)
         with queue_for(dsn) as queue:
             if not milestones.get("enqueued"):
-                message = _enqueue(queue, run, batch_id)
+                try:
+                    flowcontrol.check_limits(queue, run)
+                    message = _enqueue(queue, run, batch_id, tasks)
+                except BadInput as exc:
+                    _refuse(body, st, patch, conditions, new, exc, generation)
                 milestones["enqueued"] = True
                 conditions = set_condition(conditions, "Enqueued", True, "Enqueued", message,
                                            generation)
@@ -181,7 +190,12 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
             reduce = reduce_step.trigger(queue.conn, batch_id)
             counts = queue.counts(batch_id)
             counts["stuck"] = queue.health(batch_id)["stuck"]
+            gen = (generators.state(queue.conn, batch_id) if run.generator is not None
+                   else None)
             new.update(_outcome_status(queue, st, batch_id, counts, reduce))
+            new["budget"] = flowcontrol.apply_budget(queue, run, st, batch_id)
+            flow = flowcontrol.observe(queue, run, st, batch_id)
+            new.update(flow.status)
     except DatabaseProblem as problem:
         _database_problem(body, st, patch, conditions, milestones, new, problem, generation)
         raise kopf.TemporaryError(_safe(str(problem)),
@@ -204,15 +218,25 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
     new["activeDeadlineSource"] = ("spec" if run.active_deadline is not None
                                    else "default: max(1 day, 3 x visibilityTimeoutSeconds + 60)")
     new["startTime"] = st.get("startTime") or now_iso()
-    phase, reason, message = _phase(run, job, counts, batch_id, reduce)
+    if gen is not None and gen.configured:
+        new["generator"] = _generator_status(gen, counts)
+        conditions = _generator_condition(body, conditions, milestones, gen, counts, generation)
+    phase, reason, message = _phase(run, job, counts, batch_id, reduce, gen)
     if phase == "Running":
         conditions, stuck = _worker_health(body, job, conditions, generation)
         if stuck is not None:
             phase, reason = "Failed", stuck.reason
             message = (f"{_safe(stuck.describe())}; no worker started in "
                        f"{pods.START_TIMEOUT:g}s. {message}. Unfinished tasks stay in the queue: "
-                       f"retry with a new BatchRun with source: external and batchId {batch_id}")
+                       "retry with a new BatchRun with source: {external: {}} and batchId "
+                       f"{batch_id}")
             _stop_job(job)
+    phase, reason, message = flowcontrol.budget_phase(phase, reason, message, flow, counts,
+                                                      name)
+    conditions, budget_event = flowcontrol.budget_condition(conditions, phase, message, flow,
+                                                            generation)
+    if budget_event:
+        _event(body, *budget_event)
     new.update(phase=phase, counts=counts, message=message, observedGeneration=generation)
     if phase in TERMINAL:
         new["completionTime"] = st.get("completionTime") or now_iso()
@@ -222,6 +246,7 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
     new["conditions"] = conditions
     _apply(patch, st, new)
     metrics.record(ns, name, phase, counts)
+    flowcontrol.record_metrics(ns, name, flow)
 
 
 def _settle_leases(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
@@ -240,17 +265,80 @@ def _settle_leases(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> No
     _apply(patch, st, {"counts": counts})
 
 
-def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str) -> str:
+def _read_config_map(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
+                     run: BatchRunSpec, conditions: list[dict[str, Any]],
+                     milestones: dict[str, Any], new: dict[str, Any], generation: int) -> Any:
+    """The tasks of source.configMap. A bad line fails the run (nothing is enqueued: every
+    line is checked first); a ConfigMap that cannot be read yet keeps it Pending."""
+    ns, name = body.metadata.namespace, body.metadata.name
+    try:
+        return config_map_source(ns, run, f"BatchRun {ns}/{name}")
+    except BadInput as exc:
+        message = _safe(f"{exc}; nothing was enqueued")
+        conditions = set_condition(conditions, "Enqueued", False, "InvalidSource", message,
+                                   generation)
+        conditions = set_condition(conditions, "Failed", True, "InvalidSource", message,
+                                   generation)
+        conditions = set_condition(conditions, "Stalled", True, "InvalidSource", message,
+                                   generation)
+        conditions = set_condition(conditions, "Reconciling", False, "InvalidSource", message,
+                                   generation)
+        _apply(patch, st, {**new, "phase": "Failed", "message": message,
+                           "conditions": conditions, "observedGeneration": generation,
+                           "completionTime": now_iso()})
+        _event(body, "Warning", "InvalidSource", message=message)
+        raise kopf.PermanentError(message) from None
+    except SourceUnavailable as exc:
+        message = _safe(str(exc))
+        previous = get_condition(conditions, "Enqueued")
+        conditions = set_condition(conditions, "Enqueued", False, exc.reason, message, generation)
+        conditions = set_condition(conditions, "Reconciling", True, exc.reason, message,
+                                   generation)
+        _apply(patch, st, {**new, "phase": "Pending", "message": message,
+                           "conditions": conditions, "observedGeneration": generation,
+                           "milestones": milestones})
+        if not previous or previous.get("reason") != exc.reason:
+            _event(body, "Warning", exc.reason, message=message)
+        raise kopf.TemporaryError(message, delay=5) from None
+
+
+def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str, tasks: Any) -> str:
     reduce = f"; reduce: {run.reduce.describe()}" if run.reduce else ""
-    if run.tasks is None:
+    limits = f"; limits: {', '.join(run.limits)}" if run.limits else ""
+    if run.generator is not None:
+        new = generators.start(queue.conn, batch_id, run.tenant, run.generator,
+                               reduce=run.reduce.as_json() if run.reduce else None)
+        return (f"batch {batch_id}: generator {run.generator.describe()} "
+                + ("enqueued: its tasks are enqueued as it runs" if new
+                   else "was enqueued before") + reduce + limits)
+    if tasks is None:
         queue.batch(batch_id)  # source: external, the tasks must already be there
         reduce_step.attach(queue.conn, batch_id, run.reduce)
         total = sum(queue.counts(batch_id).values())
         return f"batch {batch_id}: {total} task(s) enqueued externally{reduce}"
-    result = queue.enqueue(batch_id, run.tenant, run.tasks, max_attempts=run.max_attempts,
-                           reduce=run.reduce.as_json() if run.reduce else None)
+    result = queue.enqueue(batch_id, run.tenant, tasks, max_attempts=run.max_attempts,
+                           reduce=run.reduce.as_json() if run.reduce else None,
+                           **flowcontrol.enqueue_options(run))
     return (f"batch {batch_id}: {result.new} task(s) enqueued"
-            + (f", {result.existing} already there" if result.existing else "") + reduce)
+            + (f", {result.existing} already there" if result.existing else "") + reduce
+            + limits)
+
+
+def _refuse(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
+            conditions: list[dict[str, Any]], new: dict[str, Any], exc: BadInput,
+            generation: int) -> None:
+    """The queue refused the run's tasks (an unknown limit, a cancelled batch, ...):
+    nothing was written; the run fails with the reason, for good."""
+    message = _safe(str(exc))
+    reason = "UnknownLimit" if isinstance(exc, flowcontrol.UnknownLimit) else "EnqueueRefused"
+    conditions = set_condition(conditions, "Enqueued", False, reason, message, generation)
+    conditions = _conditions(conditions, "Failed", reason, message, {}, generation)
+    _apply(patch, st, {**new, "phase": "Failed", "message": message, "conditions": conditions,
+                       "observedGeneration": generation,
+                       "completionTime": st.get("completionTime") or now_iso()})
+    _event(body, "Warning", reason, message=message)
+    metrics.record(body.metadata.namespace, body.metadata.name, "Failed", {})
+    raise kopf.PermanentError(message)
 
 
 def _outcome_status(queue: Any, st: dict[str, Any], batch_id: str, counts: dict[str, int],
@@ -277,6 +365,40 @@ def _outcome_status(queue: Any, st: dict[str, Any], batch_id: str, counts: dict[
     if (counts["dead"] or failed_reduce) and (changed or not st.get("topErrors")):
         new["topErrors"] = top_errors_status(queue.conn, batch_id)
     return new
+
+
+def _generator_status(gen: generators.GeneratorState, counts: dict[str, int]) -> dict[str, Any]:
+    """status.generator: its state, the tasks enqueued so far (the batch's tasks: all of
+    them come from it), attempts, and the last error when it failed."""
+    return {k: v for k, v in {
+        "state": gen.phase(), "step": gen.spec.describe() if gen.spec else None,
+        "enqueued": sum(counts[s] for s in ("pending", "leased", "done", "dead", "cancelled")),
+        "attempts": gen.attempts,
+        "error": _safe((gen.last_error or "")[:1000]) if gen.last_error else None,
+    }.items() if v is not None}
+
+
+def _generator_condition(body: kopf.Body, conditions: list[dict[str, Any]],
+                         milestones: dict[str, Any], gen: generators.GeneratorState,
+                         counts: dict[str, int], generation: int) -> list[dict[str, Any]]:
+    """Condition Generated: Unknown while it waits or runs (reason Pending, Running),
+    True once it finished (Finished), False when it failed for good (Failed: its error) or
+    was cancelled; an Event when it finishes or fails."""
+    phase = gen.phase()
+    total = sum(counts[s] for s in ("pending", "leased", "done", "dead", "cancelled"))
+    message = _safe(gen.describe())
+    if phase == "Failed":
+        message = _safe(f"{message}; the {total} task(s) it enqueued are kept and run")
+    status = {"Finished": True, "Failed": False, "Cancelled": False}.get(phase)
+    conditions = set_condition(conditions, "Generated", status, phase, message[:2000],
+                               generation)
+    if phase == "Finished" and not milestones.get("generated"):
+        milestones["generated"] = True
+        _event(body, "Normal", "Generated", message=f"{message}; {total} task(s) enqueued")
+    if phase == "Failed" and not milestones.get("generatorFailed"):
+        milestones["generatorFailed"] = True
+        _event(body, "Warning", "GeneratorFailed", message=message)
+    return conditions
 
 
 def _database_problem(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
@@ -388,7 +510,8 @@ def _job_finished(job: Any) -> tuple[str, str, str] | None:
 
 
 def _phase(run: BatchRunSpec, job: Any, counts: dict[str, int], batch_id: str,
-           reduce: reduce_step.ReduceState | None = None) -> tuple[str, str, str]:
+           reduce: reduce_step.ReduceState | None = None,
+           gen: generators.GeneratorState | None = None) -> tuple[str, str, str]:
     summary = (f"{counts['done']}/{counts['total']} done, {counts['dead']} dead, "
                f"{counts['leased']} running, {counts['pending']} pending")
     finished = _job_finished(job)
@@ -397,10 +520,15 @@ def _phase(run: BatchRunSpec, job: Any, counts: dict[str, int], batch_id: str,
     if finished and finished[0] == "Failed":
         return "Failed", finished[1], (f"Job failed ({finished[1]}: {finished[2]}); {summary}. "
                                        "Unfinished tasks stay in the queue: retry with a new "
-                                       f"BatchRun with source: external and batchId {batch_id}")
+                                       "BatchRun with source: {external: {}} and batchId "
+                                       f"{batch_id}")
     if finished:
-        if unfinished or (reducing and reduce.running):
-            what = "work" if unfinished else "its reduce"
+        if gen is not None and gen.failed:
+            return "Failed", "GeneratorFailed", (f"{gen.describe()}; the {counts['total']} "
+                                                 f"task(s) it enqueued were kept: {summary}")
+        if unfinished or (reducing and reduce.running) or (gen is not None and gen.running):
+            what = ("work" if unfinished else "its generator"
+                    if gen is not None and gen.running else "its reduce")
             return "Failed", "WorkersExitedEarly", (f"the Job completed with {what} left: "
                                                     f"{summary}")
         if reducing and reduce.phase(counts) == "failed":
@@ -428,6 +556,8 @@ def _phase(run: BatchRunSpec, job: Any, counts: dict[str, int], batch_id: str,
         after = "" if reduce.running else "; waiting for the workers to exit"
         return "Reducing", "Reducing", (f"every task is terminal; reduce "
                                         f"{reduce.describe(counts)}{after}")
+    if gen is not None and gen.running:
+        return "Running", "Running", _safe(f"{summary}; {gen.describe()}")
     return "Running", "Running", summary
 
 
@@ -439,7 +569,7 @@ def _conditions(conditions: list[dict[str, Any]], phase: str, reason: str, messa
     # kstatus (Flux, kubectl wait): Reconciling while the batch runs, Stalled on failure,
     # Ready once it succeeded.
     conditions = set_condition(conditions, "Reconciling",
-                               phase in ("Running", "Reducing", "Pending"),
+                               phase in ("Running", "Reducing", "Pending", "BudgetExhausted"),
                                reason, message, generation)
     conditions = set_condition(conditions, "Stalled", phase == "Failed", reason, message,
                                generation)

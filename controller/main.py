@@ -14,11 +14,15 @@ from . import metrics
 
 
 class _QuietTimer(logging.Filter):
-    """The status refresh succeeds every few seconds per run: not worth a log line."""
+    """The status refresh succeeds every few seconds per run, and the schedules' watches
+    (which only wake a schedule's daemon) on every change: not worth a log line."""
+
+    QUIET = ("Timer 'refresh' succeeded", "Handler 'schedule_changed' succeeded",
+             "Handler 'run_changed' succeeded")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno <= logging.INFO
-                    and record.getMessage().startswith("Timer 'refresh' succeeded"))
+                    and record.getMessage().startswith(self.QUIET))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, args.log_format)
     logging.getLogger("kopf").setLevel(args.log_level.upper())
     logging.getLogger("kopf.objects").addFilter(_QuietTimer())
-    from . import handlers  # noqa: F401  (registers the handlers)
+    from . import handlers, schedules  # noqa: F401  (registers BatchRun's, BatchRunSchedule's)
 
     metrics.serve(args.metrics_port)
     kopf.run(

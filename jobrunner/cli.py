@@ -10,9 +10,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
+import psycopg
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from jobrunner.limits import BatchUsage
 
 from . import db
 from .cli_limits import register as register_flow_control
@@ -191,6 +194,7 @@ def status(batch: BatchOpt,
            dsn: DsnOpt = None) -> None:
     """Counts per status, oldest pending age, stuck leases, the most frequent errors, and
     the reduce step with the batch's result."""
+    from . import generators
     from .local_runner import existing_database
     from .reduce import STATUS_RESULT_BYTES, batch_result
     from .reduce import state as reduce_state
@@ -202,6 +206,7 @@ def status(batch: BatchOpt,
         counts = q.counts(batch)
         health = q.health(batch)
         reduce = reduce_state(q.conn, batch)
+        gen = generators.state(q.conn, batch)
         failed = counts["dead"] or (reduce is not None and reduce.task_status == "dead")
         top = top_errors(q.conn, batch) if failed else []  # (a dead reduce among them)
         used = q.usage(batch, by_status=False)  # tokens and cost (jobrunner/limits.py)
@@ -216,7 +221,11 @@ def status(batch: BatchOpt,
         print(json.dumps({**counts, "total": sum(counts.values()), **health,
                           "top_errors": [group.as_json() for group in top],
                           "tokens": used.tokens, "cost": float(used.cost),
-                          "budget_exhausted": used.exhausted, "reduce": step}))
+                          "budget": {"tokens": used.budget_tokens,
+                                     "cost": None if used.budget_cost is None
+                                     else float(used.budget_cost)},
+                          "budget_exhausted": used.exhausted, "reduce": step,
+                          "generator": generators.status_json(gen)}))
         return
     table = Table(title=f"batch {batch}", show_header=True)
     for name in ("pending", "leased", "done", "dead", "cancelled", "total"):
@@ -226,9 +235,11 @@ def status(batch: BatchOpt,
     oldest = health["oldest_pending_seconds"]
     out.print(f"oldest pending: {'-' if oldest is None else f'{oldest:.1f}s'}   "
               f"stuck leases: {health['stuck']}   tokens: {used.tokens:,}   cost: {used.cost:g}"
-              + ("   budget exhausted" if used.exhausted else ""))
+              + _budget_text(used))
     if top:
         out.print(top_errors_table(top))
+    if gen is not None and gen.configured:
+        out.print(gen.describe(), markup=False, highlight=False)
     if reduce is not None and reduce.configured:
         out.print(f"reduce: {reduce.describe(counts)}", markup=False, highlight=False)
         if result is not None and result.stored:
@@ -324,7 +335,22 @@ def main() -> None:
         _fail(str(exc), 2)
     except JobrunnerError as exc:
         _fail(str(exc), 1)
+    except psycopg.errors.UndefinedTable as exc:
+        # A database jobrunner never migrated (or an older schema): say what to run
+        # instead of a traceback.
+        _fail(f"the database has no jobrunner schema ({exc.diag.message_primary}): run "
+              "`jobrunner migrate --dsn ...` first (the controller and `jobrunner run` "
+              "do it themselves)", 1)
 
 
 if __name__ == "__main__":
     main()
+
+
+def _budget_text(used: BatchUsage) -> str:
+    """The budget beside the usage, when the batch has one."""
+    parts = ([f"{used.budget_tokens:,} tokens"] if used.budget_tokens is not None else []) + (
+        [f"cost {used.budget_cost:g}"] if used.budget_cost is not None else [])
+    if not parts:
+        return ""
+    return f"   budget: {', '.join(parts)}" + (" (exhausted)" if used.exhausted else "")

@@ -28,7 +28,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import db
+from . import db, generators
 from . import reduce as reduce_step
 from .embedded import EmbeddedPostgres
 from .errors import JobrunnerError, UnknownBatch
@@ -56,6 +56,8 @@ def run_local(manifest: Path, *, workers: int | None, batch: str | None, data_di
         # Loaded as the workers will load it: a reduce step that does not load is refused
         # before anything is written (not discovered once every task has run).
         check_loadable(spec.reduce, _import_paths(manifest))
+    if spec.generator is not None:
+        generators.check_loadable(spec.generator, _import_paths(manifest))
     server = None
     if not dsn:
         server = EmbeddedPostgres(data_dir)
@@ -116,13 +118,24 @@ def _run(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, n_workers:
         step = spec.reduce.as_json() if spec.reduce else None
         if spec.tasks is not None:
             result = queue.enqueue(batch_id, spec.tenant, spec.tasks,
-                                   max_attempts=spec.max_attempts, reduce=step)
+                                   max_attempts=spec.max_attempts, reduce=step,
+                                   limits=list(spec.limits) if spec.limits else None,
+                                   tokens=spec.tokens)
             console.print(f"batch [bold]{batch_id}[/]: {result.new} task(s) enqueued, "
                           f"{result.existing} already there"
+                          + (f"; reduce: {spec.reduce.describe()}" if spec.reduce else ""))
+        elif spec.generator is not None:
+            new = generators.start(conn, batch_id, spec.tenant, spec.generator, reduce=step)
+            console.print(f"batch [bold]{batch_id}[/]: generator {spec.generator.describe()} "
+                          + ("enqueued: its tasks are enqueued as it runs" if new
+                             else "was enqueued before (it does not run again)")
                           + (f"; reduce: {spec.reduce.describe()}" if spec.reduce else ""))
         else:
             queue.batch(batch_id)
             reduce_step.attach(conn, batch_id, spec.reduce)
+        if spec.budget_tokens is not None or spec.budget_cost is not None:
+            queue.set_budget(batch_id, tokens=spec.budget_tokens,
+                             cost=str(spec.budget_cost) if spec.budget_cost else None)
         start = time.monotonic()
         done_before = queue.counts(batch_id)["done"]
         procs = [_Proc(i, _spawn(spec, manifest, batch_id, dsn, i)) for i in range(n_workers)]
@@ -170,6 +183,8 @@ def _watch(queue: Queue, batch_id: str, procs: list[_Proc], spec: BatchRunSpec,
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
     started = time.monotonic()
     reducing = spec.reduce is not None
+    generating = spec.generator is not None
+    budgeted = spec.budget_tokens is not None or spec.budget_cost is not None
     with Progress(*columns, console=console, transient=False, refresh_per_second=8) as progress:
         bar = progress.add_task("", total=None, dead=0, leased=0, retrying=0, rate="",
                                 reduce="")
@@ -184,9 +199,16 @@ def _watch(queue: Queue, batch_id: str, procs: list[_Proc], spec: BatchRunSpec,
             health = queue.health(batch_id)
             retrying = counts["pending"] - health["ready"]
             phase = ""
+            if generating:
+                gen = generators.state(queue.conn, batch_id)
+                phase = f" · generator: {gen.phase().lower()}" if gen else ""
             if reducing:
                 st = reduce_step.state(queue.conn, batch_id)
-                phase = f" · reduce: {st.phase(counts)}" if st else ""
+                phase += f" · reduce: {st.phase(counts)}" if st else ""
+            if budgeted and counts["pending"] and queue.usage(batch_id, by_status=False).exhausted:
+                # claims stopped: say why, and how to resume, instead of a frozen bar
+                phase += (f" · [yellow]budget exhausted[/]: `jobrunner budget set --batch "
+                          f"{batch_id} ...` resumes")
             progress.update(bar, total=total, completed=finished, dead=counts["dead"],
                             leased=counts["leased"], retrying=retrying,
                             rate=f"{rate:.1f}/s", reduce=phase)
@@ -212,11 +234,13 @@ def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs:
              interrupted: bool, done_before: int, dsn_given: bool) -> int:
     counts = queue.counts(batch_id)
     reduce = reduce_step.state(queue.conn, batch_id)
+    gen = generators.state(queue.conn, batch_id)
     stats = queue.conn.execute(
         "SELECT coalesce(sum(attempts), 0) AS attempts, count(*) AS tasks,"
         " percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - created_at))"
         "   FILTER (WHERE status = 'done') AS p50_latency"
-        " FROM agent_work_queue WHERE batch_id = %s", (batch_id,)).fetchone()
+        " FROM agent_work_queue WHERE batch_id = %s"
+        " AND task_key NOT IN ('__reduce__', '__generate__')", (batch_id,)).fetchone()
     queue.conn.rollback()
     total = sum(counts.values())
     retries = int(stats["attempts"]) - counts["done"] - counts["dead"]
@@ -236,6 +260,8 @@ def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs:
     ]
     if reduce is not None and reduce.configured:
         rows.insert(6, ("reduce", reduce.phase(counts)))
+    if gen is not None and gen.configured:
+        rows.insert(1, ("generator", gen.phase().lower()))
     for name, value in rows:
         table.add_row(name, str(value))
     console.print(table)
@@ -249,6 +275,10 @@ def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs:
             reduce is None or not reduce.configured or reduce.reduced):
         console.print(f"batch {batch_id} was already complete: nothing to do. Run it again "
                       "under a new id with --batch NEW-ID.")
+    generator_failed = gen is not None and gen.configured and not gen.finished
+    if gen is not None and gen.configured:
+        style = "green" if gen.finished else "red" if gen.failed else "yellow"
+        console.print(f"[{style}]{gen.describe()}[/]", markup=True, highlight=False)
     failed, reduced = _reduce_report(queue, batch_id, reduce, counts)
     dsn_flag = " --dsn DSN" if dsn_given and not os.environ.get(db.DSN_ENV) else ""
     if reduced:
@@ -259,9 +289,10 @@ def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs:
                       f"--output results.jsonl{dsn_flag}[/]", highlight=False)
     if interrupted:
         return 130
-    if counts["pending"] or counts["leased"] or (reduce is not None and reduce.running):
+    if counts["pending"] or counts["leased"] or (reduce is not None and reduce.running) or (
+            gen is not None and gen.running):
         return 1
-    return 3 if counts["dead"] or failed else 0
+    return 3 if counts["dead"] or failed or generator_failed else 0
 
 
 def _reduce_report(queue: Queue, batch_id: str, reduce: reduce_step.ReduceState | None,

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from .errors import BadInput
+from .generators import GeneratorSpec, parse_generator
 from .reduce import ReduceSpec, parse_reduce
+from .sources import config_map_tasks, file_tasks, parse_config_map_ref
 from .validation import (
     MAX_ATTEMPTS_LIMIT,
+    MAX_TOKENS,
     TaskSpec,
     check_identifier,
+    check_limit_names,
     encode_payload,
 )
 
@@ -33,8 +38,12 @@ SPEC_FIELDS = {
     "tenant", "batchId", "shards", "shardRange", "source", "workers", "concurrency",
     "batchSize", "visibilityTimeoutSeconds", "heartbeatSeconds", "maxAttempts",
     "backoffBaseSeconds", "backoffCapSeconds", "activeDeadlineSeconds", "handler",
-    "command", "template", "database", "suspend", "reduce",
+    "command", "template", "database", "suspend", "reduce", "limits", "tokens", "budget",
 }
+BUDGET_FIELDS = {"tokens", "cost"}
+# spec.budget.cost: a decimal string (Kubernetes API conventions avoid floats in specs;
+# the CRD checks the same pattern), at most 12 digits before the point and 9 after.
+COST_PATTERN = re.compile(r"^[0-9]{1,12}(\.[0-9]{1,9})?$")
 
 # spec.template: a subset of the Kubernetes PodTemplate, with Kubernetes' own names.
 TEMPLATE_FIELDS = {
@@ -82,7 +91,7 @@ class BatchRunSpec:
     namespace: str
     tenant: str
     batch_id: str | None
-    tasks: tuple[TaskSpec, ...] | None  # None for source: external
+    tasks: tuple[TaskSpec, ...] | None  # None: source external, generator or configMap
     workers: int = 1
     concurrency: int = 1
     batch_size: int = 1
@@ -98,6 +107,16 @@ class BatchRunSpec:
     database: Mapping[str, Any] = field(default_factory=dict)
     suspend: bool = False
     reduce: ReduceSpec | None = None  # runs once after every task (jobrunner/reduce.py)
+    # Flow control (docs/flow-control.md): the limits and token estimate of every task
+    # enqueued from the spec, and the batch's budget (None: no budget of that kind).
+    limits: tuple[str, ...] | None = None
+    tokens: int | None = None
+    budget_tokens: int | None = None
+    budget_cost: Decimal | None = None
+    # source.generator: the tasks come from user code run as a task (jobrunner/generators.py)
+    generator: GeneratorSpec | None = None
+    # source.configMap (name, key): read by the controller when it enqueues
+    config_map: tuple[str, str] | None = None
 
     def effective_deadline(self) -> int:
         """The Job's activeDeadlineSeconds: the user's, or a safe default that outlives any
@@ -135,7 +154,11 @@ def load_manifest(path: str | Path) -> BatchRunSpec:
     runs = [d for d in docs if isinstance(d, dict) and d.get("kind") == KIND]
     if len(runs) != 1:
         raise BadInput(f"{path}: expected exactly one {KIND} document, found {len(runs)}")
-    return parse_batchrun(runs[0], source=str(path))
+    config_maps = {d["metadata"]["name"]: d for d in docs
+                   if isinstance(d, dict) and d.get("kind") == "ConfigMap"
+                   and isinstance(d.get("metadata"), dict) and d["metadata"].get("name")}
+    return parse_batchrun(runs[0], source=str(path), base_dir=path.resolve().parent,
+                          config_maps=config_maps)
 
 
 def _int(spec: Mapping[str, Any], name: str, default: int | None, lo: int, hi: int,
@@ -163,7 +186,12 @@ def _number(spec: Mapping[str, Any], name: str, default: float | None, lo: float
     return float(value)
 
 
-def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest") -> BatchRunSpec:
+def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest", *,
+                   base_dir: Path | None = None,
+                   config_maps: Mapping[str, Mapping[str, Any]] | None = None) -> BatchRunSpec:
+    """A BatchRun. `base_dir` (a manifest file's folder) and `config_maps` (the
+    ConfigMaps of its file) are given by `jobrunner run` only: with them, source.file and
+    source.configMap become tasks here; on a cluster the controller reads the ConfigMap."""
     if obj.get("apiVersion") != API_VERSION:
         raise BadInput(f"{source}: apiVersion must be {API_VERSION}, got {obj.get('apiVersion')!r}")
     meta = obj.get("metadata") or {}
@@ -189,7 +217,13 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest") -> BatchRun
     if len(sources) != 1:
         raise BadInput(f"{where}: exactly one of spec.shards, spec.shardRange or spec.source "
                        f"must be set (found {', '.join(sources) or 'none'})")
-    tasks = _tasks(spec, sources[0], where)
+    max_attempts = _int(spec, "maxAttempts", 8, 1, MAX_ATTEMPTS_LIMIT, where) or 8
+    generator = config_map = None
+    if sources[0] == "source":
+        tasks, generator, config_map = _source(spec["source"], where, max_attempts, base_dir,
+                                               config_maps)
+    else:
+        tasks = _tasks(spec, sources[0], where)
 
     vis = _int(spec, "visibilityTimeoutSeconds", 600, 1, 7 * 86400, where)
     assert vis is not None
@@ -231,7 +265,10 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest") -> BatchRun
     suspend = spec.get("suspend", False)
     if not isinstance(suspend, bool):
         raise BadInput(f"{where}: spec.suspend must be true or false")
-    max_attempts = _int(spec, "maxAttempts", 8, 1, MAX_ATTEMPTS_LIMIT, where) or 8
+    limits, tokens, budget_tokens, budget_cost = _flow_control(spec, where)
+    if generator is not None and (limits or tokens):
+        # the generator's tasks take the run's defaults, like those of shards and files
+        generator = replace(generator, limits=limits, tokens=tokens)
 
     return BatchRunSpec(
         name=name, namespace=meta.get("namespace") or "default", tenant=tenant,
@@ -244,14 +281,102 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest") -> BatchRun
         backoff_base=base, backoff_cap=cap, active_deadline=deadline,
         handler=handler, command=tuple(command) if command else None,
         template=template, database=database, suspend=suspend,
-        reduce=parse_reduce(spec.get("reduce"), where, max_attempts))
+        reduce=parse_reduce(spec.get("reduce"), where, max_attempts),
+        limits=limits, tokens=tokens, budget_tokens=budget_tokens, budget_cost=budget_cost,
+        generator=generator, config_map=config_map)
 
 
-def _tasks(spec: Mapping[str, Any], kind: str, where: str) -> tuple[TaskSpec, ...] | None:
-    if kind == "source":
-        if spec["source"] != "external":
-            raise BadInput(f"{where}: spec.source must be 'external', got {spec['source']!r}")
-        return None
+def _flow_control(spec: Mapping[str, Any], where: str
+                  ) -> tuple[tuple[str, ...] | None, int | None, int | None, Decimal | None]:
+    """spec.limits, spec.tokens and spec.budget, checked as the CRD checks them."""
+    limits = spec.get("limits")
+    if limits is not None:
+        if not isinstance(limits, list) or not limits:
+            raise BadInput(f"{where}: spec.limits must be a non-empty list of limit names")
+        if len(set(limits)) != len(limits):
+            raise BadInput(f"{where}: spec.limits names a limit twice")
+        limits = check_limit_names(limits, f"{where}: spec.limits")
+    if limits is not None and _external(spec):
+        raise BadInput(f"{where}: spec.limits and spec.tokens apply to the tasks the run "
+                       "enqueues; with source: external, name them in the tasks you enqueue")
+    tokens = _int(spec, "tokens", None, 1, MAX_TOKENS, where)
+    if tokens is not None and _external(spec):
+        raise BadInput(f"{where}: spec.limits and spec.tokens apply to the tasks the run "
+                       "enqueues; with source: external, name them in the tasks you enqueue")
+    budget = spec.get("budget")
+    if budget is None:
+        return limits, tokens, None, None
+    if not isinstance(budget, Mapping) or not budget:
+        raise BadInput(f"{where}: spec.budget must be a mapping with tokens and/or cost")
+    unknown = set(budget) - BUDGET_FIELDS
+    if unknown:
+        raise BadInput(f"{where}: unknown field(s) in spec.budget: {', '.join(sorted(unknown))}")
+    budget_tokens = budget.get("tokens")
+    if budget_tokens is not None and (isinstance(budget_tokens, bool) or not isinstance(
+            budget_tokens, int) or not 1 <= budget_tokens <= MAX_TOKENS):
+        raise BadInput(f"{where}: spec.budget.tokens must be a whole number between 1 and "
+                       f"{MAX_TOKENS}, got {budget_tokens!r}")
+    cost = budget.get("cost")
+    budget_cost = None
+    if cost is not None:
+        if not isinstance(cost, str) or not COST_PATTERN.match(cost):
+            raise BadInput(f"{where}: spec.budget.cost must be a decimal number in quotes, "
+                           f"such as \"12.50\", got {cost!r}")
+        budget_cost = Decimal(cost)
+        if budget_cost <= 0:
+            raise BadInput(f"{where}: spec.budget.cost must be greater than 0, got {cost!r}")
+    return limits, tokens, budget_tokens, budget_cost
+
+
+SOURCE_KINDS = ("external", "generator", "configMap", "file")
+
+
+def _external(spec: Mapping[str, Any]) -> bool:
+    """Whether the run's tasks are enqueued by someone else (source: external)."""
+    raw = spec.get("source")
+    return raw == "external" or (isinstance(raw, Mapping) and "external" in raw)
+
+
+def _source(raw: Any, where: str, max_attempts: int, base_dir: Path | None,
+            config_maps: Mapping[str, Mapping[str, Any]] | None
+            ) -> tuple[tuple[TaskSpec, ...] | None, GeneratorSpec | None, tuple[str, str] | None]:
+    """spec.source: exactly one of external, generator, configMap, file. Returns (tasks,
+    generator, configMap reference); `source: external` (a string) is the older form."""
+    if raw == "external":
+        return None, None, None
+    if not isinstance(raw, Mapping):
+        raise BadInput(f"{where}: spec.source must be a mapping with one of "
+                       f"{', '.join(SOURCE_KINDS)}, got {_json_type(raw)}")
+    kinds = [k for k in raw if k in SOURCE_KINDS]
+    unknown = set(raw) - set(SOURCE_KINDS)
+    if unknown:
+        raise BadInput(f"{where}: spec.source: unknown field(s) "
+                       f"{', '.join(sorted(map(str, unknown)))} ({', '.join(SOURCE_KINDS)})")
+    if len(kinds) != 1:
+        raise BadInput(f"{where}: spec.source must set exactly one of "
+                       f"{', '.join(SOURCE_KINDS)} (found {', '.join(kinds) or 'none'})")
+    kind, value = kinds[0], raw[kinds[0]]
+    if kind == "external":
+        if value not in (None, {}) and value is not True:
+            raise BadInput(f"{where}: spec.source.external takes no fields: write "
+                           "`external: {}`")
+        return None, None, None
+    if kind == "generator":
+        return None, parse_generator(value, where, max_attempts), None
+    if kind == "file":
+        return file_tasks(value, where, base_dir), None, None
+    name, key = parse_config_map_ref(value, where)
+    if config_maps is None:
+        return None, None, (name, key)  # the controller reads it
+    found = config_maps.get(name)
+    if found is None:
+        raise BadInput(f"{where}: spec.source.configMap: no ConfigMap {name!r} in the "
+                       "manifest's file (`jobrunner run` reads it from there; or use "
+                       "source.file)")
+    return config_map_tasks(found, name, key, where), None, None
+
+
+def _tasks(spec: Mapping[str, Any], kind: str, where: str) -> tuple[TaskSpec, ...]:
     if kind == "shards":
         shards = spec["shards"]
         if not isinstance(shards, list) or not shards:

@@ -25,7 +25,7 @@ from .errors import BadInput, UnknownBatch
 from .prepared import PreparedStatement
 from .sqlfiles import query
 from .validation import (
-    REDUCE_KEY,
+    RESERVED_KEYS,
     TaskSpec,
     check_identifier,
     check_limit_names,
@@ -262,8 +262,8 @@ class Queue:
         seen: set[str] = set()
         for task in tasks:
             key = check_identifier(task.key, "task key")
-            if key == REDUCE_KEY:
-                raise BadInput(f"task key {key!r} is reserved for the batch's reduce step")
+            if key in RESERVED_KEYS:
+                raise BadInput(f"task key {key!r} is reserved for {RESERVED_KEYS[key]}")
             if key in seen:
                 raise BadInput(f"duplicate task key {key!r} in one enqueue")
             seen.add(key)

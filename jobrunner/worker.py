@@ -39,6 +39,7 @@ from .connection import QueueConnection
 from .effects import Effects
 from .errors import BadInput
 from .executor import EXIT_WEDGED, Executor
+from .generators import WithGenerator
 from .heartbeat import Heartbeat
 from .maintenance import LeaseRescuer
 from .producer import Producer
@@ -130,9 +131,11 @@ class Worker:
                                     config.worker_id, self.state.force_stop)
         self.completer = Completer(self.state, self.conn, config.worker_id,
                                    config.max_ack_delay)
-        # (the batch's reduce task, when it comes, runs the batch's reduce step)
+        # (the batch's reduce task, when it comes, runs the batch's reduce step; its
+        # generator task, the batch's generator)
         self.executor = Executor(self.state, self.completer,
-                                 WithReduce(config.handler, config.dsn),
+                                 WithGenerator(WithReduce(config.handler, config.dsn),
+                                               config.dsn),
                                  config.concurrency, config.lost_lease_grace)
         self.producer = Producer(config, self.state, self.conn, self.completer,
                                  self.executor, self.effects)

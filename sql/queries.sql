@@ -210,7 +210,10 @@ FROM claimed;
 --
 -- Limits (docs/flow-control.md): for each limit the candidates name, the claim takes
 -- one of its lanes (agent_limit_lane, migration 0010) with FOR NO KEY UPDATE SKIP
--- LOCKED, reading its newest version and holding it until commit; a lane another claim
+-- LOCKED, reading its newest version and holding it until commit (in the functions
+-- jobrunner_limit_admit and jobrunner_limit_charge, migration 0013, whose statements
+-- take fresh snapshots: locked here, a lane other claims keep changing made every claim
+-- re-initialise all of this statement's CTEs for an EvalPlanQual recheck); a lane another claim
 -- holds is skipped, never waited for, and when every lane of a limit is held, its tasks
 -- are not claimed this time (the 'wait' row asks the worker to come back at once).
 -- Claims of tasks without limits never touch those rows. The clock of the admission is
@@ -283,8 +286,8 @@ candidates AS (
           SELECT 1 FROM agent_shard_lease s
           WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
       -- Limits that exist and are not visibly full (blocked, or their next request or
-      -- token not due yet); the check that counts is limit_check, under the locks. (The
-      -- clock, not now(): a claim that committed after this transaction started may have
+      -- token not due yet); the check that counts is jobrunner_limit_admit's, under the
+      -- locks. (The clock, not now(): a claim that committed after this transaction started may have
       -- moved a limit's TAT past now() and still leave room at this instant.)
       -- (One array for the whole statement, not a subquery per row: a row another claim
       -- took after this snapshot is re-checked by EvalPlanQual, which starts up the
@@ -486,10 +489,18 @@ slots_freed AS (
 SELECT id, status, run_after FROM throttled;
 
 -- name: release
--- Graceful shutdown: give the task back without burning an attempt.
+-- Graceful shutdown: give the task back without burning an attempt. In a cancelled batch
+-- (its BatchRun deleted or replaced while the worker ran) it ends cancelled instead: no
+-- worker of that batch is left to claim it, so pending would strand it.
 WITH released_tasks AS (
     UPDATE agent_work_queue q
-    SET status = 'pending',
+    SET status = CASE WHEN EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = q.batch_id
+                                   AND b.cancelled_at IS NOT NULL)
+                      THEN 'cancelled' ELSE 'pending' END,
+        finished_at = CASE WHEN EXISTS (SELECT 1 FROM agent_batch b
+                                        WHERE b.batch_id = q.batch_id
+                                        AND b.cancelled_at IS NOT NULL)
+                           THEN now() END,
         attempts = q.attempts - 1,
         run_after = now(),
         locked_until = NULL,
@@ -515,7 +526,8 @@ SELECT id FROM released_tasks;
 
 -- name: expire
 -- Rescue leases whose holder stopped heartbeating: back to pending, or dead when the
--- attempts are used up. Rows locked by a concurrent transaction (a worker applying an
+-- attempts are used up, or cancelled in a cancelled batch (no worker of it is left to
+-- claim it). Rows locked by a concurrent transaction (a worker applying an
 -- effect under its lease, another expirer) are skipped and retried on the next tick.
 WITH expired AS (
     SELECT id FROM agent_work_queue
@@ -526,9 +538,15 @@ WITH expired AS (
 ),
 moved AS (
     UPDATE agent_work_queue q
-    SET status = CASE WHEN q.attempts >= q.max_attempts THEN 'dead' ELSE 'pending' END,
+    SET status = CASE WHEN EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = q.batch_id
+                                   AND b.cancelled_at IS NOT NULL) THEN 'cancelled'
+                      WHEN q.attempts >= q.max_attempts THEN 'dead' ELSE 'pending' END,
         run_after = now(),
-        finished_at = CASE WHEN q.attempts >= q.max_attempts THEN now() END,
+        finished_at = CASE WHEN q.attempts >= q.max_attempts
+                                OR EXISTS (SELECT 1 FROM agent_batch b
+                                           WHERE b.batch_id = q.batch_id
+                                           AND b.cancelled_at IS NOT NULL)
+                           THEN now() END,
         last_error = 'lease expired: ' || coalesce(q.lease_owner, '?')
                      || ' did not heartbeat or finish attempt ' || q.attempts
                      || ' before ' || q.locked_until,
@@ -578,8 +596,9 @@ SELECT batch_id, tenant_id, created_at, cancelled_at FROM agent_batch WHERE batc
 -- Each unfinished status from the small index that holds only that status, done as the
 -- rest of the batch's task count, all in one snapshot (see migration 0009): the cost
 -- grows with the unfinished rows, not with the batch. (MATERIALIZED: otherwise each
--- count is run once more for the done column.) The reduce task (migration 0011) is not
--- one of the batch's tasks: it is not in `tasks`, and is taken out of its status here.
+-- count is run once more for the done column.) The reduce task (migration 0011) and the
+-- generator task (0012) are not tasks of the batch: they are not in `tasks`, and are
+-- taken out of its status here.
 WITH c AS MATERIALIZED (SELECT
     coalesce((SELECT tasks FROM agent_batch WHERE batch_id = %(batch_id)s), 0) AS tasks,
     (SELECT count(*) FROM agent_work_queue
@@ -591,12 +610,18 @@ WITH c AS MATERIALIZED (SELECT
     (SELECT count(*) FROM agent_work_queue
       WHERE batch_id = %(batch_id)s AND status = 'cancelled') AS cancelled,
     (SELECT status::text FROM agent_work_queue
-      WHERE batch_id = %(batch_id)s AND task_key = '__reduce__') AS reduce),
+      WHERE batch_id = %(batch_id)s AND task_key = '__reduce__') AS reduce,
+    (SELECT status::text FROM agent_work_queue
+      WHERE batch_id = %(batch_id)s AND task_key = '__generate__') AS gen),
 own AS (SELECT tasks,
-    pending - (reduce IS NOT DISTINCT FROM 'pending')::int AS pending,
-    leased - (reduce IS NOT DISTINCT FROM 'leased')::int AS leased,
-    dead - (reduce IS NOT DISTINCT FROM 'dead')::int AS dead,
-    cancelled - (reduce IS NOT DISTINCT FROM 'cancelled')::int AS cancelled
+    pending - (reduce IS NOT DISTINCT FROM 'pending')::int
+            - (gen IS NOT DISTINCT FROM 'pending')::int AS pending,
+    leased - (reduce IS NOT DISTINCT FROM 'leased')::int
+           - (gen IS NOT DISTINCT FROM 'leased')::int AS leased,
+    dead - (reduce IS NOT DISTINCT FROM 'dead')::int
+         - (gen IS NOT DISTINCT FROM 'dead')::int AS dead,
+    cancelled - (reduce IS NOT DISTINCT FROM 'cancelled')::int
+              - (gen IS NOT DISTINCT FROM 'cancelled')::int AS cancelled
     FROM c)
 SELECT pending, leased, tasks - pending - leased - dead - cancelled AS done, dead, cancelled
 FROM own;
@@ -660,9 +685,10 @@ deleted AS (
     RETURNING q.id, q.batch_id, q.task_key
 ),
 uncounted AS (
-    -- (a reduce task was never counted: migration 0011)
+    -- (a reduce or generator task was never counted: migrations 0011, 0012)
     UPDATE agent_batch b SET tasks = b.tasks - d.n
-    FROM (SELECT batch_id, count(*) FILTER (WHERE task_key <> '__reduce__') AS n
+    FROM (SELECT batch_id, count(*) FILTER (WHERE task_key NOT IN ('__reduce__',
+                                                                  '__generate__')) AS n
           FROM deleted GROUP BY batch_id) d
     WHERE b.batch_id = d.batch_id
 )
@@ -689,21 +715,24 @@ SELECT EXISTS (SELECT 1 FROM agent_work_queue
 -- task_key) index gives that order without a sort, and a cursor's plan prefers it.
 -- The result comes as JSON text and finished_at as ISO 8601 text (the export sets the
 -- transaction's TimeZone to UTC): the exporter writes them through without decoding.
--- The reduce task is not a result: its return value is the batch's (batch_result).
+-- The reduce task is not a result: its return value is the batch's (batch_result); nor
+-- is the generator task.
 SELECT q.task_key, q.status::text, q.result::text, q.attempts,
        to_json(q.finished_at) #>> '{}' AS finished_at
 FROM agent_work_queue q
-WHERE q.batch_id = %(batch_id)s AND q.status = 'done' AND q.task_key <> '__reduce__'
+WHERE q.batch_id = %(batch_id)s AND q.status = 'done'
+  AND q.task_key NOT IN ('__reduce__', '__generate__')
 ORDER BY q.task_key;
 
 -- name: export_errors
 -- The tasks that ended without a result: dead (their last error) and cancelled. (A
--- dead reduce task is the batch's failure, shown by status and top_errors, not a line.)
+-- dead reduce or generator task is the batch's failure, shown by status and top_errors,
+-- not a line.)
 SELECT q.task_key, q.status::text, q.last_error, q.attempts,
        to_json(q.finished_at) #>> '{}' AS finished_at
 FROM agent_work_queue q
 WHERE q.batch_id = %(batch_id)s AND q.status IN ('dead', 'cancelled')
-  AND q.task_key <> '__reduce__'
+  AND q.task_key NOT IN ('__reduce__', '__generate__')
 ORDER BY q.task_key;
 
 -- name: top_errors
@@ -1003,7 +1032,7 @@ SELECT id FROM inserted;
 -- read through a server-side cursor): done tasks, and with onDead include the dead ones.
 SELECT q.task_key, q.status::text, q.result::text, q.last_error, q.attempts
 FROM agent_work_queue q
-WHERE q.batch_id = %(batch_id)s AND q.task_key <> '__reduce__'
+WHERE q.batch_id = %(batch_id)s AND q.task_key NOT IN ('__reduce__', '__generate__')
   AND (q.status = 'done' OR (%(include_dead)s AND q.status = 'dead'))
 ORDER BY q.task_key;
 
@@ -1216,3 +1245,33 @@ LEFT JOIN agent_pool_tenant t ON t.pool = b.pool AND t.tenant_id = b.tenant_id
 WHERE b.pool = %(pool)s
 GROUP BY b.tenant_id, t.weight
 ORDER BY b.tenant_id;
+
+-- Generators (jobrunner/generators.py, docs/sources.md): one task per batch, key
+-- '__generate__', inserted with the batch; it runs the user's code, which enqueues the
+-- batch's tasks in chunks (the ordinary keyed enqueue, each chunk one transaction fenced
+-- on the generator's lease). Not counted in agent_batch.tasks (see counts).
+
+-- name: generator_enqueue
+-- The batch's generator step and its task (after ensure_batch locked the batch row):
+-- idempotent on (batch_id, task_key), so a controller that restarts mid-enqueue, or a
+-- second `jobrunner run`, inserts it once; a generator that already ran is not run again,
+-- and the step first given to the batch stays its step.
+WITH step AS (
+    UPDATE agent_batch SET generator = coalesce(generator, %(generator)s::jsonb)
+    WHERE batch_id = %(batch_id)s
+    RETURNING batch_id, tenant_id
+)
+INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, payload, max_attempts)
+SELECT batch_id, tenant_id, '__generate__', '{}'::jsonb, %(max_attempts)s
+FROM step
+ON CONFLICT (batch_id, task_key) DO NOTHING
+RETURNING id;
+
+-- name: generator_state
+-- Lock-free: the batch's generator step and its task (if any).
+SELECT b.generator, g.status::text AS task_status, g.attempts, g.max_attempts,
+       g.last_error, g.result, g.finished_at
+FROM agent_batch b
+LEFT JOIN agent_work_queue g ON g.batch_id = b.batch_id AND g.task_key = '__generate__'
+WHERE b.batch_id = %(batch_id)s;
+

@@ -33,6 +33,24 @@ def pytest_addoption(parser):
                      help="run the chaos soak at full size (50k tasks) instead of the CI size")
 
 
+# Figure lines (tests.support.figures.show): measured results a test prints for the CI log.
+# Under pytest-xdist a worker's own output never reaches the log, but its reports'
+# user_properties do: the lines are collected here, in the process that writes the log.
+_FIGURES: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _FIGURES.extend(v for k, v in report.user_properties if k == "figure")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FIGURES:
+        terminalreporter.section("figures measured by the tests")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
+
+
 def _with_db(dsn: str, dbname: str) -> str:
     params = conninfo_to_dict(dsn)
     params["dbname"] = dbname

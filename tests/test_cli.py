@@ -21,6 +21,15 @@ def counts(conn, batch: str) -> dict:
     return Queue(conn).counts(batch)
 
 
+@pytest.mark.parametrize("args", [("limit", "set", "llm", "--requests", "5"),
+                                  ("limit", "list"), ("usage", "--batch", "b")])
+def test_unmigrated_database_says_to_migrate(empty_dsn, args):
+    r = cli(*args, "--dsn", empty_dsn)
+    assert r.returncode == 1, r.stderr
+    assert "no jobrunner schema" in r.stderr and "jobrunner migrate" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_migrate_is_idempotent(empty_dsn):
     first = cli("migrate", "--dsn", empty_dsn)
     assert first.returncode == 0, first.stderr

@@ -291,7 +291,8 @@ def test_crd_enums_and_limits_match_the_manifest():
 
 SCHEMA_KEYS = {
     "type", "description", "properties", "items", "required", "enum", "default", "format",
-    "minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "pattern",
+    "minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "minProperties",
+    "pattern",
     "additionalProperties", "x-kubernetes-preserve-unknown-fields", "x-kubernetes-validations",
     "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 }

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psycopg
 
-from tests.conftest import REPO, cli
+from tests.conftest import REPO, child_env, cli, wait_for
 
 EXAMPLE = REPO / "examples" / "summarise.yaml"
 
@@ -81,3 +84,45 @@ spec: {tenant: t, handler: "m:f", shardRange: {count: 2}, workers: 0}
     r = cli("run", str(manifest), "--dsn", "postgresql://nowhere.invalid/x")
     assert r.returncode == 2
     assert "spec.workers must be between 1 and 1000" in r.stderr
+
+
+def test_run_says_when_the_budget_stops_it_and_resumes_when_raised(dsn, tmp_path):
+    """A local run whose budget is used up says so on its progress line (instead of a bar
+    that just stops), and `jobrunner budget set` from another shell lets it finish."""
+    from tests.support.limits_handlers import LOG_DDL
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(LOG_DDL)
+    manifest = tmp_path / "budget.yaml"
+    shards = "\n".join(f"    - {{key: k{i}, payload: {{actual: 10, sleep: 0.05}}}}"
+                       for i in range(6))
+    manifest.write_text(f"""
+apiVersion: jobrunner.dev/v1alpha1
+kind: BatchRun
+metadata: {{name: budget}}
+spec:
+  tenant: t
+  handler: tests.support.limits_handlers:paced
+  budget: {{tokens: 30}}
+  shards:
+{shards}
+""")
+    env = child_env(dsn, TTY_COMPATIBLE="1", TTY_INTERACTIVE="1", COLUMNS="200")
+    proc = subprocess.Popen([sys.executable, "-m", "jobrunner", "run", str(manifest),
+                             "--batch", "budget-1", "--dsn", dsn],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            wait_for(lambda: conn.execute(
+                "SELECT tokens >= budget_tokens FROM agent_batch_usage WHERE batch_id = %s",
+                ("budget-1",)).fetchone() == (True,), timeout=60, what="budget used up")
+            time.sleep(1.0)  # a few refreshes of the progress line
+            stopped = conn.execute("SELECT count(*) FROM agent_work_queue WHERE batch_id = %s"
+                                   " AND status = 'pending'", ("budget-1",)).fetchone()[0]
+        assert stopped > 0
+        cli("budget", "set", "--batch", "budget-1", "--tokens", "1000", "--dsn", dsn, check=True)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert "budget exhausted" in out and "jobrunner budget set --batch budget-1" in out, out

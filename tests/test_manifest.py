@@ -68,13 +68,51 @@ def test_external_source():
     ({"shardRange": None, "shards": [{"key": "a"}, {"key": "a"}]}, "is used twice"),
     ({"shardRange": None, "shards": [{"key": "a", "payload": [1]}]},
      "payload must be a JSON object"),
-    ({"shardRange": None, "source": "kafka"}, "spec.source must be 'external'"),
+    ({"shardRange": None, "source": "kafka"}, "spec.source must be a mapping with one of"),
+    ({"shardRange": None, "source": {"kafka": {}}}, "spec.source: unknown field(s) kafka"),
+    ({"shardRange": None, "source": {"external": {}, "file": "x.jsonl"}},
+     "exactly one of external, generator, configMap, file (found external, file)"),
+    ({"shardRange": None, "source": {"generator": {"handler": "m:g", "command": ["x"]}}},
+     "exactly one of handler (module:function) or command"),
+    ({"shardRange": None, "source": {"generator": {"handler": "m:g", "chunkSize": 0}}},
+     "chunkSize must be an integer from 1 to 10000"),
+    ({"shardRange": None, "source": {"generator": {"handler": "m:g", "args": [1]}}},
+     "args must be a mapping"),
+    ({"shardRange": None, "source": {"configMap": {"name": "tasks"}}},
+     "spec.source.configMap.key is required"),
+    ({"shardRange": None, "source": {"file": "tasks.jsonl"}},
+     "a file is read by `jobrunner run` only"),
     ({"tenant": "a\x00b"}, "NUL byte"),
+    ({"limits": []}, "spec.limits must be a non-empty list"),
+    ({"limits": ["a", "a"]}, "spec.limits names a limit twice"),
+    ({"limits": [""]}, "limit name must not be empty"),
+    ({"tokens": 0}, "spec.tokens must be between 1"),
+    ({"tokens": -3}, "spec.tokens must be between 1"),
+    ({"shardRange": None, "source": "external", "limits": ["a"]},
+     "with source: external, name them in the tasks"),
+    ({"shardRange": None, "source": {"external": {}}, "tokens": 5},
+     "with source: external, name them in the tasks"),
+    ({"budget": {}}, "spec.budget must be a mapping with tokens and/or cost"),
+    ({"budget": {"tokens": 0}}, "spec.budget.tokens must be a whole number between 1"),
+    ({"budget": {"cost": "0.00"}}, "spec.budget.cost must be greater than 0"),
+    ({"budget": {"cost": "-1"}}, "spec.budget.cost must be a decimal number in quotes"),
+    ({"budget": {"cost": 12.5}}, "spec.budget.cost must be a decimal number in quotes"),
+    ({"budget": {"dollars": "1"}}, "unknown field(s) in spec.budget: dollars"),
 ])
 def test_rejected_specs(changes, message):
     with pytest.raises(BadInput, match=None) as info:
         parse_batchrun(spec_with(**changes))
     assert message in str(info.value)
+
+
+def test_flow_control_fields():
+    run = parse_batchrun(spec_with(limits=["openai", "gpu"], tokens=1800,
+                                   budget={"tokens": 2_000_000, "cost": "40.50"}))
+    assert run.limits == ("openai", "gpu") and run.tokens == 1800
+    assert (run.budget_tokens, str(run.budget_cost)) == (2_000_000, "40.50")
+    plain = parse_batchrun(spec_with())
+    assert (plain.limits, plain.tokens, plain.budget_tokens, plain.budget_cost) == (
+        None, None, None, None)
 
 
 def test_every_example_manifest_parses():
@@ -245,3 +283,13 @@ def test_rejected_templates(template, message):
         parse_batchrun(spec_with(template=template))
     assert message in str(info.value)
     assert "(BatchRun demo)" in str(info.value)
+
+
+def test_generator_tasks_take_the_runs_flow_control_defaults():
+    run = parse_batchrun(spec_with(shardRange=None, limits=["openai"], tokens=900,
+                                   source={"generator": {"handler": "m:gen"}}))
+    assert run.generator is not None
+    assert (run.generator.limits, run.generator.tokens) == (("openai",), 900)
+    # kept with the generator's task (its spec is stored as JSON with the batch)
+    again = type(run.generator).from_json(run.generator.as_json())
+    assert (again.limits, again.tokens) == (("openai",), 900)

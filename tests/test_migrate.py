@@ -152,9 +152,10 @@ def test_status_counts_read_only_the_unfinished_rows(conn):
     plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN EXECUTE counts('b')"))
     conn.rollback()
     scans = [line.strip() for line in plan.splitlines() if " Scan using " in line]
-    # the task count and four statuses, once each; and the reduce task (migration 0011),
-    # one row found by its full unique key
-    assert len(scans) == 6, plan
+    # the task count and four statuses, once each; and the reduce task (migration 0011)
+    # and the generator task (0012), each one row found by its full unique key
+    assert len(scans) == 7, plan
     assert all(("agent_batch_pkey" in line or "pending_idx" in line or "leased_idx" in line
                 or "failed_idx" in line or "batch_key_uidx" in line) for line in scans), plan
     assert "(task_key = '__reduce__'::text)" in plan
+    assert "(task_key = '__generate__'::text)" in plan

@@ -347,3 +347,15 @@ def test_cli_enqueue_into_a_pool_set_weight_and_show(dsn, conn):
                                      "pending": 5, "leased": 0}]
     r = cli("pool", "set-weight", "cp", "A", "0", dsn=dsn)
     assert r.returncode == 2 and "weight must be between 0.001 and 1000" in r.stderr
+
+
+def test_a_generator_is_refused_on_a_pool_batch(conn):
+    from jobrunner import generators
+
+    Queue(conn).enqueue("g", "A", _tasks(1), pool="gp")
+    spec = generators.GeneratorSpec(handler="tests.support.handlers:noop")
+    with pytest.raises(BadInput, match="pools do not run generators yet"):
+        generators.start(conn, "g", "A", spec)
+    conn.rollback()
+    assert conn.execute("SELECT count(*) AS n FROM agent_work_queue WHERE batch_id = 'g'"
+                        ).fetchone()["n"] == 1

@@ -81,11 +81,18 @@ def approx_tokens(text: str) -> int:
 
 def llm_summary(text: str, idempotency_key: str, sentences: int = 2) -> tuple[str, dict]:
     """The endpoint's summary and its `usage` ({} when it reports none)."""
+    return chat(f"Summarise the text in {sentences} sentence(s).", text, idempotency_key)
+
+
+def chat(instruction: str, text: str, idempotency_key: str) -> tuple[str, dict]:
+    """One chat completion of the OpenAI-compatible endpoint at JOBRUNNER_LLM_BASE_URL
+    (also used by examples/tickets): its answer and `usage` ({} when it reports none).
+    HTTP 429 raises RateLimited with the endpoint's Retry-After."""
     base = os.environ["JOBRUNNER_LLM_BASE_URL"].rstrip("/")
     body = {
         "model": os.environ.get("JOBRUNNER_LLM_MODEL", "gpt-4o-mini"),
         "messages": [
-            {"role": "system", "content": f"Summarise the text in {sentences} sentence(s)."},
+            {"role": "system", "content": instruction},
             {"role": "user", "content": text},
         ],
         "temperature": 0,

@@ -15,7 +15,8 @@ import yaml
 from .harness.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-CRDS = [REPO / "crds" / "batchrun.yaml", REPO / "crds" / "kopf-peering.yaml"]
+CRDS = [REPO / "crds" / "batchrun.yaml", REPO / "crds" / "kopf-peering.yaml",
+        REPO / "crds" / "batchrunschedule.yaml"]
 
 
 def apply_crds(k8s) -> None:

@@ -237,7 +237,10 @@ def test_lint_and_template_with_default_and_custom_values(k8s, tmp_path):
     secret_rules = [r for r in role["rules"] if "secrets" in r["resources"]]
     assert secret_rules == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
     verbs = {v for r in role["rules"] for v in r["verbs"]}
-    assert not verbs & {"delete", "deletecollection", "*", "escalate", "bind", "impersonate"}
+    assert not verbs & {"deletecollection", "*", "escalate", "bind", "impersonate"}
+    # delete only on BatchRuns (a schedule's Replace and history limits), nothing else
+    assert {tuple(r["resources"]) for r in role["rules"] if "delete" in r["verbs"]} == {
+        ("batchruns",)}
     assert not any("*" in r["resources"] or "*" in r["apiGroups"] for r in role["rules"])
     assert not any(d["kind"] == "Secret" for d in docs)  # no secret by default
 
@@ -371,6 +374,10 @@ def test_controller_rbac_is_exactly_what_it_needs(k8s, release):
     allowed = [
         ("get", "batchruns.jobrunner.dev"), ("list", "batchruns.jobrunner.dev"),
         ("watch", "batchruns.jobrunner.dev"), ("patch", "batchruns.jobrunner.dev"),
+        ("create", "batchruns.jobrunner.dev"), ("delete", "batchruns.jobrunner.dev"),
+        ("get", "batchrunschedules.jobrunner.dev"), ("list", "batchrunschedules.jobrunner.dev"),
+        ("watch", "batchrunschedules.jobrunner.dev"),
+        ("patch", "batchrunschedules.jobrunner.dev", "--subresource=status"),
         ("get", "batchruns.jobrunner.dev", "--subresource=status"),
         ("patch", "batchruns.jobrunner.dev", "--subresource=status"),
         ("update", "batchruns.jobrunner.dev", "--subresource=status"),
@@ -379,7 +386,7 @@ def test_controller_rbac_is_exactly_what_it_needs(k8s, release):
         ("create", "events"), ("patch", "events"),
         ("create", "events.events.k8s.io"), ("patch", "events.events.k8s.io"),
         ("get", "pods"), ("list", "pods"), ("watch", "pods"),
-        ("get", "secrets/jobrunner-db"),
+        ("get", "secrets/jobrunner-db"), ("get", "configmaps"),
         ("list", "kopfpeerings.kopf.dev"), ("watch", "kopfpeerings.kopf.dev"),
         ("get", f"kopfpeerings.kopf.dev/{FULLNAME}"),
         ("patch", f"kopfpeerings.kopf.dev/{FULLNAME}"),
@@ -388,10 +395,11 @@ def test_controller_rbac_is_exactly_what_it_needs(k8s, release):
         ("list", "secrets"), ("watch", "secrets"), ("create", "secrets"),
         ("create", "pods", "--subresource=exec"), ("create", "pods"), ("delete", "pods"),
         ("delete", "jobs.batch"), ("update", "jobs.batch"), ("list", "jobs.batch"),
-        ("create", "batchruns.jobrunner.dev"), ("delete", "batchruns.jobrunner.dev"),
-        ("update", "batchruns.jobrunner.dev"),
+        ("update", "batchruns.jobrunner.dev"), ("create", "batchrunschedules.jobrunner.dev"),
+        ("delete", "batchrunschedules.jobrunner.dev"),
         ("patch", "kopfpeerings.kopf.dev/someone-else"), ("create", "kopfpeerings.kopf.dev"),
-        ("list", "configmaps"), ("create", "roles.rbac.authorization.k8s.io"),
+        ("list", "configmaps"), ("watch", "configmaps"), ("update", "configmaps"),
+        ("create", "roles.rbac.authorization.k8s.io"),
         ("create", "rolebindings.rbac.authorization.k8s.io"),
         ("impersonate", "serviceaccounts"), ("create", "serviceaccounts", "--subresource=token"),
         ("get", "deployments.apps"),
@@ -415,7 +423,10 @@ def test_controller_rbac_is_exactly_what_it_needs(k8s, release):
                for key, verbs in permissions(k8s, ns, sa).items()}
     granted = {key: verbs for key, verbs in granted.items() if verbs}
     assert granted == {
-        "batchruns.jobrunner.dev": {"get", "list", "watch", "patch"},
+        "batchruns.jobrunner.dev": {"get", "list", "watch", "patch", "create", "delete"},
+        "batchrunschedules.jobrunner.dev": {"get", "list", "watch", "patch"},
+        "batchrunschedules.jobrunner.dev/status": {"get", "patch", "update"},
+        "batchrunschedules.jobrunner.dev/finalizers": {"update"},
         "batchruns.jobrunner.dev/status": {"get", "patch", "update"},
         "batchruns.jobrunner.dev/finalizers": {"update"},
         "jobs.batch": {"get", "create", "patch"},
@@ -423,6 +434,7 @@ def test_controller_rbac_is_exactly_what_it_needs(k8s, release):
         "events.events.k8s.io": {"create", "patch"},
         "pods": {"get", "list", "watch"},
         "secrets": {"get"},
+        "configmaps": {"get"},
         "kopfpeerings.kopf.dev": {"list", "watch"},
         f"kopfpeerings.kopf.dev/{FULLNAME}": {"get", "patch"},
     }, granted

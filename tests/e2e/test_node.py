@@ -10,6 +10,8 @@ import time
 
 import psycopg
 
+from tests.support import figures
+
 from .operator_support import (
     apply,
     batchrun,
@@ -27,8 +29,7 @@ FAST = {"visibilityTimeoutSeconds": 6, "heartbeatSeconds": 2, "backoffBaseSecond
 
 def show(capsys, text: str) -> None:
     """A proof line past pytest's capture, so that it shows in the CI log."""
-    with capsys.disabled():
-        print("\n[node] " + text.strip(), flush=True)
+    figures.show(capsys, "[node] " + text.strip())
 
 
 def wait_for(what: str, predicate, timeout: float = 90, interval: float = 0.5):

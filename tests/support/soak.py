@@ -25,6 +25,7 @@ from psycopg.rows import dict_row
 from jobrunner.queue import Queue
 from jobrunner.validation import TaskSpec
 from tests.conftest import child_env, start_worker
+from tests.support.figures import show
 
 BATCH = "chaos"
 NEIGHBOUR = "chaos-neighbour"  # another tenant's batch in the pool (run_soak with a pool)
@@ -249,6 +250,5 @@ def _reader(conn: psycopg.Connection) -> Callable[[str], Any]:
 
 def report(summary: str, tmp_path: Path, capsys: Any) -> None:
     """The figure line: printed past pytest's capture, so it shows in any CI log."""
-    with capsys.disabled():
-        print("\n" + summary, flush=True)
+    show(capsys, summary)
     (tmp_path / "summary.txt").write_text(summary + "\n")

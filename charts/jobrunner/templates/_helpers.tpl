@@ -98,7 +98,16 @@ clusterkopfpeerings, or "" for none).
 {{- $root := .root -}}
 - apiGroups: [jobrunner.dev]
   resources: [batchruns]
+  verbs: [get, list, watch, patch, create, delete]
+- apiGroups: [jobrunner.dev]
+  resources: [batchrunschedules]
   verbs: [get, list, watch, patch]
+- apiGroups: [jobrunner.dev]
+  resources: [batchrunschedules/status]
+  verbs: [get, patch, update]
+- apiGroups: [jobrunner.dev]
+  resources: [batchrunschedules/finalizers]
+  verbs: [update]
 - apiGroups: [jobrunner.dev]
   resources: [batchruns/status]
   verbs: [get, patch, update]
@@ -123,6 +132,10 @@ clusterkopfpeerings, or "" for none).
   {{- with $root.Values.rbac.secretNames }}
   resourceNames: {{ toJson . }}
   {{- end }}
+# A BatchRun's source.configMap: its JSON lines are read once, when the run is enqueued.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get]
 {{- if .peering }}
 - apiGroups: [kopf.dev]
   resources: [{{ .peering }}]

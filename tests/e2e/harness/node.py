@@ -33,6 +33,7 @@ from .procs import Proc, free_port
 
 RUN_DIR = Path("/run/jobrunner-e2e")
 LOCK_FILE = Path("/run/jobrunner-e2e.lock")
+BUILD_CACHE_MB = 1500  # BuildKit's cache kept between image builds
 CGROUP_ROOT = "jobrunner-e2e"
 CGROUP_FS = Path("/sys/fs/cgroup")
 NODE_NAME = "127.0.0.1"
@@ -158,6 +159,9 @@ class Node:
             "--addr", self.buildkit_addr, "--oci-worker=false", "--containerd-worker=true",
             f"--containerd-worker-addr={self.sock}",
             f"--containerd-worker-namespace={NAMESPACE}", "--containerd-worker-net=host",
+            # Without GC every image build's layers stay in the build cache (the pip layer
+            # alone is ~150 MB a build; 10 GB after a day of builds). Keep about 1.5 GB.
+            "--containerd-worker-gc", f"--containerd-worker-gc-keepstorage={BUILD_CACHE_MB}",
         ], self.logs / "buildkitd.log", env=self._env())
         self.buildkitd.start()
         self._wait(lambda: self._buildctl("debug", "workers").returncode == 0, self.buildkitd,
