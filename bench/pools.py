@@ -13,7 +13,10 @@ own database:
   each, all in one pool (enqueued in one transaction, so the workers find them all at
   once): fair share on, every tenant active.
 
-Ratios are per round (paired), then the median over rounds. WAL bytes per task come from
+Ratios are per round (paired), then the median over rounds. ``--one-client N`` adds N
+rounds of the steadier measurement: one connection running the worker's ack+claim loop
+(no worker processes) over 10,000 tasks enqueued and checkpointed beforehand, with the CPU
+of its server process and the WAL per task. WAL bytes per task come from
 the server's WAL position before the enqueue and after the last task (the enqueue's WAL
 included, as in the other benchmarks). Writes ``bench/results/pools.md`` and
 ``pools.json``.
@@ -108,6 +111,67 @@ class Pooled(PerBatch):
         return [*args[:i], "--pool", POOL, *args[i + 2:]]
 
 
+def one_client(server: env.Server, rounds: int, tenants: int) -> list[dict]:
+    """The ack+claim loop of one connection, in this process: server CPU, wall time and
+    WAL per task, for today's claim and a pool of 1 and of `tenants` tenants."""
+    import os
+
+    from jobrunner.migrate import migrate
+    from jobrunner.queue import Outcome, Queue
+    from jobrunner.validation import TaskSpec
+
+    rows = []
+    for rnd in range(rounds):
+        order = [0, 1, tenants] if rnd % 2 == 0 else [tenants, 1, 0]
+        for n_tenants in order:
+            dsn = server.create_db(f"bench_one_{rnd}_{n_tenants}")
+            n = 10_000
+            specs = [TaskSpec(f"t{i}", {}, shard_key=f"s{i % 1000}") for i in range(n)]
+            with psycopg.connect(dsn, row_factory=dict_row) as conn:
+                migrate(conn)
+                q = Queue(conn)
+                with conn.transaction():
+                    if not n_tenants:
+                        q.enqueue("b", "T", specs)
+                    per = -(-n // max(1, n_tenants))
+                    for k in range(n_tenants):
+                        q.enqueue(f"b{k}", f"T{k}", specs[k * per:(k + 1) * per], pool=POOL)
+                        conn.execute("DROP TABLE jobrunner_enqueue_stage")
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("VACUUM ANALYZE agent_work_queue")
+                conn.execute("CHECKPOINT")
+                pid = conn.info.backend_pid
+
+                def cpu(pid: int = pid) -> float:
+                    with open(f"/proc/{pid}/stat") as f:
+                        fields = f.read().split(")")[-1].split()
+                    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+                def lsn() -> int:
+                    return int(conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn"
+                                            ).fetchone()[0])
+
+                q = Queue(conn)
+                kw = {"pool": POOL} if n_tenants else {}
+                batch = None if n_tenants else "b"
+                c0, w0, t0, done = cpu(), lsn(), time.perf_counter(), 0
+                leases = q.complete_and_claim("w", (), batch, 1, **kw)[1]
+                while leases:
+                    leases = q.complete_and_claim("w", [Outcome(x, True, None) for x in leases],
+                                                  batch, 1, **kw)[1]
+                    done += len(leases)
+                wall, pg, wal = time.perf_counter() - t0, cpu() - c0, lsn() - w0
+            label = BASELINE if not n_tenants else (
+                "pool, 1 tenant" if n_tenants == 1 else f"pool, {n_tenants:,} tenants")
+            rows.append({"variant": label, "rep": rnd, "done": done,
+                         "pg_us": pg / done * 1e6, "wall_us": wall / done * 1e6,
+                         "wal_bytes": wal / done})
+            print(f"  one client {label:>22}: pg {rows[-1]['pg_us']:4.0f} us/task, wall "
+                  f"{rows[-1]['wall_us']:4.0f} us/task, WAL {rows[-1]['wal_bytes']:5.0f} B/task",
+                  flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.pools", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", type=int, default=10_000)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--tenants", type=int, default=1000)
+    parser.add_argument("--one-client", type=int, default=0, metavar="ROUNDS")
     parser.add_argument("--out", type=Path, default=env.REPO / "bench" / "results")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # clean up
@@ -129,7 +194,10 @@ def main(argv: list[str] | None = None) -> None:
         ("pool, 1 tenant", Pooled(server, "pool-1", "bench_pool_1", 1)),
         (many, Pooled(server, "pool-many", "bench_pool_many", args.tenants)),
     ]
+    single: list[dict] = []
     try:
+        if args.one_client:
+            single = one_client(server, args.one_client, args.tenants)
         for _, system in variants:
             system.setup()
         for rep in range(args.reps):
@@ -152,14 +220,14 @@ def main(argv: list[str] | None = None) -> None:
             "machine": env.machine(), "tasks": args.tasks, "workers": args.workers,
             "reps": args.reps, "tenants": args.tenants}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pools.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1)
-                                         + "\n")
-    text = render(meta, runs, [label for label, _ in variants])
+    (args.out / "pools.json").write_text(json.dumps({"meta": meta, "runs": runs,
+                                                     "one_client": single}, indent=1) + "\n")
+    text = render(meta, runs, [label for label, _ in variants], single)
     (args.out / "pools.md").write_text(text)
     print(text)
 
 
-def render(meta: dict, runs: list[dict], labels: list[str]) -> str:
+def render(meta: dict, runs: list[dict], labels: list[str], single: list[dict]) -> str:
     def of(label: str, batch: int) -> list[dict]:
         return sorted((r for r in runs if r["variant"] == label and r["batch"] == batch),
                       key=lambda r: r["rep"])
@@ -200,7 +268,33 @@ def render(meta: dict, runs: list[dict], labels: list[str]) -> str:
         "before it commits).\n",
         table(["variant", "claim batch", "tasks/s", "tasks/s vs today", "PostgreSQL µs/task",
                "WAL bytes/task", "claims+acks WAL bytes/task", "claims+acks WAL vs today"],
-              rows) + "\n"])
+              rows) + "\n", *(_one_client_table(single, labels) if single else [])])
+
+
+def _one_client_table(single: list[dict], labels: list[str]) -> list[str]:
+    rows = []
+    for label in labels:
+        rs = sorted((r for r in single if r["variant"] == label), key=lambda r: r["rep"])
+        base = {r["rep"]: r for r in single if r["variant"] == BASELINE}
+
+        def ratio(key: str, rs: list[dict] = rs, label: str = label,
+                  base: dict = base) -> str:
+            if label == BASELINE:
+                return "-"
+            xs = [r[key] / base[r["rep"]][key] for r in rs if r["rep"] in base]
+            return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+        rows.append([label, spread([r["pg_us"] for r in rs]), ratio("pg_us"),
+                     spread([r["wall_us"] for r in rs]), spread([r["wal_bytes"] for r in rs]),
+                     ratio("wal_bytes")])
+    rounds = max(r["rep"] for r in single) + 1
+    return ["## One client: server CPU and WAL per task\n",
+            f"One connection running the ack+claim loop alone over 10,000 tasks (1,000 shard "
+            f"keys, claim batch 1, enqueued, vacuumed and checkpointed before), {rounds} "
+            "rounds interleaved: the CPU of its server process, wall time and WAL per task, "
+            "median (min-max), and ratios to today's claim of the same round.\n",
+            table(["variant", "PostgreSQL µs/task", "vs today", "wall µs/task",
+                   "WAL bytes/task", "WAL vs today"], rows) + "\n"]
 
 
 if __name__ == "__main__":
