@@ -19,6 +19,7 @@ from jobrunner.limits import BatchUsage
 
 from . import db
 from .cli_limits import register as register_flow_control
+from .cli_pools import register as register_pools
 from .errors import BadInput, JobrunnerError
 from .logs import setup_logging
 from .migrate import migrate as apply_migrations
@@ -29,6 +30,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 dead_app = typer.Typer(no_args_is_help=True, help="Inspect and requeue dead tasks.")
 app.add_typer(dead_app, name="dead")
 register_flow_control(app)  # limit, usage, budget (jobrunner/cli_limits.py)
+register_pools(app)  # pool set-weight, pool show (jobrunner/cli_pools.py)
 
 err = Console(stderr=True)
 out = Console()
@@ -74,6 +76,12 @@ def enqueue(
         "--format", help="jsonl, or openai-batch: the OpenAI Batch input format "
         "({custom_id, method, url, body} per line; key = custom_id).")
     ] = InputFormat.jsonl,
+    pool: Annotated[str | None, typer.Option(
+        "--pool", help="Worker pool the batch belongs to (set at its first enqueue): "
+        "`jobrunner worker --pool` serves it, fair across tenants.")] = None,
+    priority: Annotated[int, typer.Option(
+        "--priority", min=-3, max=3, help="Pool batches: weight multiplier 10^priority "
+        "(set at the batch's first enqueue).")] = 0,
     dsn: DsnOpt = None,
 ) -> None:
     """Enqueue tasks: one JSON object per line, {"key", "shard_key"?, "payload", "max_attempts"?}.
@@ -97,13 +105,18 @@ def enqueue(
         except UnicodeDecodeError as exc:
             raise BadInput(f"{file} is not UTF-8 text: {exc.reason}") from None
     q = _queue(dsn)
-    result = q.enqueue(batch, tenant, tasks, max_attempts=max_attempts)
+    result = q.enqueue(batch, tenant, tasks, max_attempts=max_attempts, pool=pool,
+                       priority=priority)
     out.print(f"{result.new} new, {result.existing} already existed (batch {batch})")
 
 
 @app.command()
 def worker(
-    batch: BatchOpt,
+    batch: Annotated[str | None, typer.Option(
+        "--batch", help="Batch id (or --pool).")] = None,
+    pool: Annotated[str | None, typer.Option(
+        "--pool", help="Serve every open batch of this worker pool, fair across tenants "
+        "(instead of --batch).")] = None,
     handler: Annotated[str | None, typer.Option(help="Python handler, module:function.")] = None,
     handler_cmd: Annotated[str | None, typer.Option(
         "--handler-cmd", help="Shell command handler: payload on stdin; exit 0 done, 75 retry.")
@@ -141,15 +154,21 @@ def worker(
     log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
     dsn: DsnOpt = None,
 ) -> None:
-    """Claim and run tasks of one batch until stopped (or drained)."""
+    """Claim and run tasks of one batch, or of every batch of a pool, until stopped (or
+    drained)."""
     from .handlers import make_handler
     from .reduce import check_batch as check_reduce
     from .worker import WorkerConfig, default_worker_id, run_worker
 
     setup_logging(log_level, log_format)
+    if (batch is None) == (pool is None):
+        raise BadInput("give exactly one of --batch and --pool")
+    if pool is not None:
+        from .pools import check_pool
+        check_pool(pool)
     dsn_value = db.resolve_dsn(dsn)
     config = WorkerConfig(
-        dsn=dsn_value, batch_id=batch, handler=make_handler(handler, handler_cmd),
+        dsn=dsn_value, batch_id=batch, pool=pool, handler=make_handler(handler, handler_cmd),
         worker_id=default_worker_id(worker_id), concurrency=concurrency,
         batch_size=batch_size, visibility_timeout=visibility_timeout,
         heartbeat_interval=heartbeat, backoff_base=backoff_base, backoff_cap=backoff_cap,
@@ -157,8 +176,9 @@ def worker(
         max_tasks=max_tasks, lost_lease_grace=lost_lease_grace,
         idle_poll=(poll_interval * 0.4, poll_interval))
     with db.connect(dsn_value, purpose="jobrunner-worker") as conn:
-        Queue(conn).batch(batch)  # unknown batch: a clear error before any thread starts
-        check_reduce(conn, batch)  # so is a reduce step that does not load
+        if batch is not None:
+            Queue(conn).batch(batch)  # unknown batch: a clear error before any thread starts
+            check_reduce(conn, batch)  # so is a reduce step that does not load
     code = run_worker(config)
     logging.shutdown()
     sys.stdout.flush()

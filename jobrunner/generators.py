@@ -538,6 +538,10 @@ def start(conn: psycopg.Connection, batch_id: str, tenant_id: str, spec: Generat
                            f"not {tenant_id!r}")
         if batch["cancelled_at"] is not None:
             raise BadInput(f"batch {batch_id!r} was cancelled; run it under a new batch id")
+        if batch["pool"] is not None:
+            # (its task would need the pool's tag and its chunks the pool: a later step)
+            raise BadInput(f"batch {batch_id!r} is in worker pool {batch['pool']!r}: pools do "
+                           "not run generators yet (docs/pools.md)")
         if reduce is not None:
             cur.execute(query("batch_set_reduce"),
                         {"batch_id": batch_id, "reduce": json.dumps(reduce)})

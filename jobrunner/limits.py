@@ -37,6 +37,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from . import pools
 from .errors import BadInput, RateLimited
 from .sqlfiles import query
 from .validation import MAX_ID_CHARS, check_identifier, check_tokens
@@ -318,6 +319,10 @@ def set_budget(conn: psycopg.Connection, batch_id: str, *, tokens: int | None = 
     budget_cost = check_cost(cost, "budget cost") if cost is not None else None
     with conn.transaction():
         cur = conn.cursor()
+        pool = pools.batch_pool(conn, batch_id)
+        if pool is not None and (tokens is not None or budget_cost is not None):
+            raise BadInput(f"batch {batch_id!r} is in pool {pool!r}: pools do not take "
+                           "batches under flow control yet, budgets included (docs/pools.md)")
         if tokens is not None or budget_cost is not None:
             cur.execute(query("budget_set"), {"batch_id": batch_id, "budget_tokens": tokens,
                                               "budget_cost": budget_cost})

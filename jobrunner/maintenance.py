@@ -8,8 +8,9 @@ Guarantees:
   sweep or an effect under its lease, waits for the next sweep). So a task of a crashed
   worker runs again within about a second of its lease expiring, as long as any worker
   (or the operator) is alive.
-- In the same tick it runs the reduce trigger (jobrunner/reduce.py) for its own batch and
-  for every batch whose tasks the sweep ended dead: whoever made a batch's last task
+- In the same tick it runs the reduce trigger (jobrunner/reduce.py) for its own batch
+  (a pool worker: each batch of its pool whose reduce was not enqueued yet) and for
+  every batch whose tasks the sweep ended dead: whoever made a batch's last task
   terminal (an ack, a fail, this sweep), its reduce is enqueued within about a second by
   any live worker, even one that never checks for drain. While the batch is not settled
   that is one lock-free statement per tick.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import random
 
+from . import pools
 from .queue import Queue
 from .reduce import trigger
 
@@ -29,9 +31,11 @@ log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker
 
 
 class LeaseRescuer:
-    def __init__(self, interval: float, batch_id: str | None = None) -> None:
+    def __init__(self, interval: float, batch_id: str | None = None,
+                 pool: str | None = None) -> None:
         self.interval = interval
         self.batch_id = batch_id
+        self.pool = pool  # a pool worker: the reduce trigger runs for the pool's batches
         self.next_at = float("-inf")  # the first sweep is due at once
 
     def run_if_due(self, q: Queue, now: float) -> None:
@@ -42,6 +46,8 @@ class LeaseRescuer:
             log.info("rescued expired lease of task %s -> %s", row["id"], row["status"])
             if row["status"] == "dead":
                 settled.add(row["batch_id"])
+        if self.pool is not None:
+            settled.update(pools.reduce_due(q.conn, self.pool))
         for batch_id in sorted(settled):
             trigger(q.conn, batch_id)
         self.next_at = now + self.interval * random.uniform(0.8, 1.2)

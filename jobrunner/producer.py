@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import db
+from . import db, pools
 from .completer import Completer
 from .connection import QueueConnection
 from .effects import Effects
@@ -49,12 +50,17 @@ class ClaimParams:
     (Producer._complete_and_claim), the LISTEN filter and the drain check."""
 
     worker_id: str
-    batch_id: str
+    batch_id: str | None  # None: a pool worker
     limit: int  # the claim batch size: at most this many tasks per claim
+    pool: str | None = None  # claim across every open batch of this pool (jobrunner/pools.py)
 
     @classmethod
     def of(cls, config: WorkerConfig) -> ClaimParams:
-        return cls(config.worker_id, config.batch_id, config.batch_size)
+        return cls(config.worker_id, config.batch_id, config.batch_size, config.pool)
+
+    @property
+    def target(self) -> str:
+        return f"pool {self.pool}" if self.pool is not None else f"batch {self.batch_id}"
 
 
 class Producer:
@@ -71,6 +77,9 @@ class Producer:
         # From the last claim that found nothing: seconds until a full limit has room
         # (Queue.limit_wait), so the idle sleep ends then instead of a poll later.
         self.limit_wait: float | None = None
+        # Set by the LISTEN thread when tasks were enqueued into the pool: they may be laid
+        # before this worker's scan position, so the next claim scans from the start.
+        self._rescan = threading.Event()
 
     # -- the claim loop ----------------------------------------------------------------
     def run(self) -> None:
@@ -109,8 +118,8 @@ class Producer:
                 state.sleep(self._until_room(wait) if want else wait)
                 continue
             if want and cfg.exit_when_drained and not self._batch_open():
-                log.info("worker %s: batch %s is drained; exiting", self.claim.worker_id,
-                         self.claim.batch_id)
+                log.info("worker %s: %s is drained; exiting", self.claim.worker_id,
+                         self.claim.target)
                 return
             state.sleep(self._until_room(random.uniform(*cfg.idle_poll)))
 
@@ -130,13 +139,17 @@ class Producer:
         claim = self.claim
 
         def op(q: Queue) -> list[Lease]:
+            if claim.pool is not None and limit and self._rescan.is_set():
+                self._rescan.clear()
+                q.forget_scan_position(("pool", claim.pool))
             if wait_busy:
                 kept, leases = q.complete_and_claim(claim.worker_id, outcomes, claim.batch_id,
-                                                    limit)
+                                                    limit, pool=claim.pool)
                 self.limit_wait = q.limit_wait if limit else self.limit_wait
                 return self._claimed(outcomes, kept, leases, _NONE_BUSY)
             kept, busy, leases = q.try_complete_and_claim(claim.worker_id, outcomes,
-                                                          claim.batch_id, limit)
+                                                          claim.batch_id, limit,
+                                                          pool=claim.pool)
             self.limit_wait = q.limit_wait if limit else self.limit_wait
             return self._claimed(outcomes, kept, leases, busy)
 
@@ -165,6 +178,9 @@ class Producer:
 
     def _batch_open(self) -> bool:
         # (a reduce still to run keeps the batch open: reduce.drain_open enqueues it)
+        pool = self.claim.pool
+        if pool is not None:
+            return self.conn.run(lambda q: pools.pool_open(q, pool), "drain check")
         return self.conn.run(lambda q: drain_open(q, self.claim.batch_id), "drain check")
 
     # -- handing tasks to the executor -----------------------------------------------
@@ -235,10 +251,15 @@ class Producer:
             try:
                 with db.connect(self.config.dsn, autocommit=True,
                                 purpose="jobrunner-listen", connect_timeout=3) as conn:
-                    conn.execute("LISTEN jobrunner_queue")
+                    pool = self.claim.pool
+                    conn.execute("LISTEN jobrunner_pool" if pool is not None
+                                 else "LISTEN jobrunner_queue")
                     while not state.stopping.is_set():
                         for note in conn.notifies(timeout=1.0):
-                            if note.payload == self.claim.batch_id:
+                            if pool is not None and note.payload == pool:
+                                self._rescan.set()
+                                state.wake.set()
+                            elif note.payload == self.claim.batch_id:
                                 state.wake.set()
             except Exception:
                 state.force_stop.wait(1.0)

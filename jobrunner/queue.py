@@ -19,6 +19,7 @@ import psycopg
 from psycopg.rows import RowFactory, dict_row, tuple_row
 
 from . import limits as flow
+from . import pools
 from .db import transaction_pooling
 from .errors import BadInput, UnknownBatch
 from .prepared import PreparedStatement
@@ -50,6 +51,7 @@ class Lease:
     max_attempts: int
     locked_until: datetime
     run_after: datetime | None = None  # its position in the claim order (run_after, id)
+    vtag: float | None = None  # in a pool: its virtual-time tag, the pool's claim order
 
 
 @dataclass(frozen=True)
@@ -113,17 +115,20 @@ _UNSET = object()
 # A batch under flow control (its tasks name limits, or it has a budget) is claimed with
 # ack_and_claim_limited instead (docs/flow-control.md).
 _ACK_AND_CLAIM = {name: PreparedStatement(f"jobrunner_{name}", query(name))
-                  for name in ("ack_and_claim", "ack_and_claim_limited")}
+                  for name in ("ack_and_claim", "ack_and_claim_limited", "ack_and_claim_pool")}
+_ACK_AND_CLAIM_BY_SQL = {query(name): prepared for name, prepared in _ACK_AND_CLAIM.items()}
 _PIPELINE = psycopg.Pipeline.is_supported()
 
 
 def _lease(row: tuple) -> Lease:
     # Columns of ack_and_claim's result, in order (see sql/queries.sql).
+    # (ack_and_claim_pool adds the task's tag)
     (_, id_, batch_id, key, tenant_id, shard_key, payload, attempt, max_attempts, until,
-     run_after) = row
+     run_after) = row[:11]
     return Lease(id=id_, batch_id=batch_id, key=key, tenant_id=tenant_id,
                  shard_key=shard_key, payload=payload, attempt=attempt,
-                 max_attempts=max_attempts, locked_until=until, run_after=run_after)
+                 max_attempts=max_attempts, locked_until=until, run_after=run_after,
+                 vtag=row[11] if len(row) > 11 else None)
 
 
 def _int_array(values: Iterable[int]) -> str:
@@ -143,7 +148,8 @@ class Queue:
         self._pooled = transaction_pooling()
         # Per batch: where this connection's next claim starts scanning, and when it last
         # scanned from the start (see "Scan position" in sql/queries.sql).
-        self._scan_from: dict[str, tuple[datetime, int, float]] = {}
+        # (a pool's position is its claim order's: (vtag, id), keyed ("pool", name))
+        self._scan_from: dict[str | tuple[str, str], tuple[Any, int, float]] = {}
         # After a claim that found nothing: seconds until a limit that is full now has
         # room again (its 'wait' row), or None. The worker sleeps no longer than that.
         self.limit_wait: float | None = None
@@ -227,7 +233,8 @@ class Queue:
     def enqueue(self, batch_id: str, tenant_id: str, tasks: Iterable[TaskSpec],
                 max_attempts: int = 8, *, limits: Sequence[str] | None = None,
                 tokens: int | None = None,
-                reduce: dict[str, Any] | None = None) -> EnqueueResult:
+                reduce: dict[str, Any] | None = None, pool: str | None = None,
+                priority: int = 0) -> EnqueueResult:
         """Add tasks to a batch; tasks whose key already exists are left as they are.
 
         `limits` and `tokens` are the batch's defaults (a BatchRun's): a task that names
@@ -235,7 +242,8 @@ class Queue:
         charged `tokens`. Every limit named must exist (docs/flow-control.md), or
         nothing is written. `reduce` (jobrunner/reduce.py, ReduceSpec.as_json()) gives the
         batch its reduce step in the same transaction; once that reduce was enqueued, new
-        tasks are refused (they would never be reduced).
+        tasks are refused (they would never be reduced). `pool` puts the batch in a worker
+        pool with `priority` (jobrunner/pools.py: both fixed at its first enqueue).
 
         All rows are validated and encoded before the transaction starts; the insert
         itself is a COPY into a temporary table and one INSERT ... ON CONFLICT DO
@@ -244,6 +252,9 @@ class Queue:
         check_identifier(batch_id, "batch id")
         check_identifier(tenant_id, "tenant id")
         check_max_attempts(max_attempts)
+        if pool is not None:
+            pools.check_pool(pool)
+        priority = pools.check_priority(priority)
         default_limits = list(check_limit_names(limits, "batch limits") or ()) or None
         default_tokens = check_tokens(tokens, "batch tokens") if tokens is not None else None
         named: dict[str, str] = {name: "the batch's limits" for name in default_limits or ()}
@@ -268,14 +279,18 @@ class Queue:
                         if task.tokens is not None else default_tokens)
             rows.append((key, shard, payload, attempts, list(own) if own else default_limits,
                          estimate))
+        if pool is not None:
+            pools.refuse_flow_control(batch_id, pool, named)
         with self._tx():
-            batch = self._execute(query("ensure_batch"),
-                                      {"batch_id": batch_id, "tenant_id": tenant_id}).fetchone()
+            batch = self._execute(query("ensure_batch" if pool is None else "ensure_pool_batch"),
+                                  {"batch_id": batch_id, "tenant_id": tenant_id, "pool": pool,
+                                   "priority": priority}).fetchone()
             if batch["tenant_id"] != tenant_id:
                 raise BadInput(f"batch {batch_id!r} belongs to tenant {batch['tenant_id']!r}, "
                                f"not {tenant_id!r}")
             if batch["cancelled_at"] is not None and rows:
                 raise BadInput(f"batch {batch_id!r} was cancelled; enqueue under a new batch id")
+            pools.check_batch_fits(batch_id, tenant_id, pool, priority, batch)
             flow.require_known(self.conn, named, named)
             self._execute(query("enqueue_stage_table"))
             with self.conn.cursor() as cur, cur.copy(
@@ -288,9 +303,12 @@ class Queue:
             if reduce is not None:
                 self._execute(query("batch_set_reduce"),
                               {"batch_id": batch_id, "reduce": json.dumps(reduce)})
-            new = self._execute(query("enqueue_from_stage"),
+            if pool is None:
+                new = self._execute(query("enqueue_from_stage"),
                                     {"batch_id": batch_id, "tenant_id": tenant_id}
                                     ).fetchone()["new"]
+            else:
+                new = pools.enqueue_staged(self.conn, batch_id, tenant_id, pool, priority)
             # (a new statement: ensure_batch locked the batch row, so a reduce enqueued
             # before is visible, and none can be enqueued until this commits)
             if new and self._execute(query("batch_reduce_enqueued"),
@@ -308,8 +326,16 @@ class Queue:
 
     def _ack_and_claim_params(self, worker_id: str, successes: Sequence[Outcome],
                               batch_id: str | None, limit: int,
-                              after: tuple[datetime, int, float] | None = None
-                              ) -> dict[str, Any]:
+                              after: tuple[Any, int, float] | None = None,
+                              pool: str | None = None) -> dict[str, Any]:
+        if pool is not None:
+            return {"worker_id": worker_id, "pool": pool,
+                    "after_vtag": repr(after[0]) if after else "-Infinity",
+                    "after_id": after[1] if after else 0,
+                    "ids": _int_array(o.lease.id for o in successes),
+                    "attempts": _int_array(o.lease.attempt for o in successes),
+                    "results": "[" + ",".join(_encoded(o) for o in successes) + "]",
+                    "limit": limit, "visibility_timeout": self.timing.visibility_timeout}
         return {"worker_id": worker_id,
                 "after_run_after": after[0] if after else "-infinity",
                 "after_id": after[1] if after else 0,
@@ -373,11 +399,15 @@ class Queue:
         return kept
 
     def complete_and_claim(self, worker_id: str, outcomes: Sequence[Outcome],
-                           batch_id: str | None, limit: int) -> tuple[set[int], list[Lease]]:
+                           batch_id: str | None, limit: int, *, pool: str | None = None
+                           ) -> tuple[set[int], list[Lease]]:
         """Finish the given attempts and claim up to `limit` new tasks; returns the ids
         still held (acked or failed) and the new leases. An ack that finds its row
-        locked for a moment (see try_complete_and_claim) is sent again until it lands."""
-        kept, busy, leases = self.try_complete_and_claim(worker_id, outcomes, batch_id, limit)
+        locked for a moment (see try_complete_and_claim) is sent again until it lands.
+        With `pool`, the claim takes tasks of every open batch of the pool, in its fair
+        order (jobrunner/pools.py), and batch_id is not used."""
+        kept, busy, leases = self.try_complete_and_claim(worker_id, outcomes, batch_id, limit,
+                                                         pool=pool)
         delay = 0.001
         while busy:
             time.sleep(delay)
@@ -388,7 +418,7 @@ class Queue:
         return kept, leases
 
     def try_complete_and_claim(self, worker_id: str, outcomes: Sequence[Outcome],
-                               batch_id: str | None, limit: int
+                               batch_id: str | None, limit: int, *, pool: str | None = None
                                ) -> tuple[set[int], set[int], list[Lease]]:
         """Finish the given attempts and claim up to `limit` new tasks in ONE transaction.
 
@@ -407,7 +437,8 @@ class Queue:
             return set(), set(), []
         successes = [o for o in outcomes if o.ok]
         failures = [o for o in outcomes if not o.ok]
-        claiming = bool(limit and batch_id is not None)
+        claiming = bool(limit and (batch_id is not None or pool is not None))
+        target: str | tuple[str, str] | None = ("pool", pool) if pool is not None else batch_id
         steps: list[tuple[str, Any]] = [self._failure_step(worker_id, f) for f in failures]
         guarded = [(o, key) for o in successes for key in o.effects]
         if guarded:
@@ -417,14 +448,19 @@ class Queue:
                 "worker_id": worker_id, "ids": _int_array(o.lease.id for o, _ in guarded),
                 "attempts": _int_array(o.lease.attempt for o, _ in guarded),
                 "effect_keys": [key for _, key in guarded]}))
-        after = self._scan_position(batch_id) if claiming else None
+        after = self._scan_position(target) if claiming else None
         if claiming:
             self.limit_wait = None
-        statement = ("ack_and_claim_limited" if claiming and self._flow_controlled(batch_id)
-                     else "ack_and_claim")
+        if claiming and pool is not None:
+            statement = "ack_and_claim_pool"  # (no flow control in pools: jobrunner/pools.py)
+        elif claiming and self._flow_controlled(batch_id):
+            statement = "ack_and_claim_limited"
+        else:
+            statement = "ack_and_claim"
         if successes or claiming:
             steps.append((query(statement), self._ack_and_claim_params(
-                worker_id, successes, batch_id if claiming else None, limit, after)))
+                worker_id, successes, batch_id if claiming else None, limit, after,
+                pool if claiming else None)))
         kept, busy, leases = self._run_completion(failures, steps)
         if claiming and not leases and self.limit_wait is None \
                 and statement == "ack_and_claim_limited":
@@ -434,11 +470,11 @@ class Queue:
             # The ack released a shard that the claim, reading the same snapshot, still
             # saw as busy: claim again so that shard's next task is not left waiting.
             again = self._ack_and_claim_params(worker_id, (), batch_id, limit - len(leases),
-                                               after)
+                                               after, pool)
             _, _, more = self._run_completion([], [(query(statement), again)])
             leases = sorted(leases + more, key=lambda lease: lease.id)
         if claiming:
-            self._remember_scan_position(batch_id, after, leases, limit)
+            self._remember_scan_position(target, after, leases, limit)
         return kept, busy, leases
 
     # A claim scans from the start of the batch at least this often (seconds).
@@ -476,27 +512,37 @@ class Queue:
             self._flow_batches.add(batch_id)
         return flow
 
-    def _scan_position(self, batch_id: str) -> tuple[datetime, int, float] | None:
-        after = self._scan_from.get(batch_id)
+    def forget_scan_position(self, target: str | tuple[str, str]) -> None:
+        """The next claim scans from the start (tasks were laid before the position)."""
+        self._scan_from.pop(target, None)
+
+    def _scan_position(self, target: str | tuple[str, str]) -> tuple[Any, int, float] | None:
+        after = self._scan_from.get(target)
         if after is None or time.monotonic() - after[2] >= self.FULL_SCAN_EVERY:
             return None
         return after
 
-    def _remember_scan_position(self, batch_id: str, after: tuple | None,
+    def _remember_scan_position(self, target: str | tuple[str, str], after: tuple | None,
                                 leases: list[Lease], limit: int) -> None:
-        if len(leases) < limit or any(lease.run_after is None for lease in leases):
-            self._scan_from.pop(batch_id, None)  # short: the next claim starts over
+        pooled = isinstance(target, tuple)
+        if len(leases) < limit or any(
+                (lease.vtag if pooled else lease.run_after) is None for lease in leases):
+            self._scan_from.pop(target, None)  # short: the next claim starts over
             return
-        last = max(leases, key=lambda lease: (lease.run_after, lease.id))
+        if pooled:
+            last = max(leases, key=lambda lease: (lease.vtag, lease.id))
+            position: Any = last.vtag
+        else:
+            last = max(leases, key=lambda lease: (lease.run_after, lease.id))
+            position = last.run_after
         full_scan_at = after[2] if after else time.monotonic()
-        self._scan_from[batch_id] = (last.run_after, last.id, full_scan_at)
+        self._scan_from[target] = (position, last.id, full_scan_at)
 
     def _run_completion(self, failures: Sequence[Outcome], steps: list[tuple[str, Any]]
                         ) -> tuple[set[int], set[int], list[Lease]]:
         if not failures and len(steps) == 1 and self._direct():
             # The worker's loop without failures: one prepared statement (jobrunner/prepared.py).
-            prepared = (_ACK_AND_CLAIM["ack_and_claim"] if steps[0][0] == query("ack_and_claim")
-                        else _ACK_AND_CLAIM["ack_and_claim_limited"])
+            prepared = _ACK_AND_CLAIM_BY_SQL[steps[0][0]]
             return self._completed(set(), prepared.execute(self.conn, steps[0][1]))
         cursors = self._one_round_trip(steps)
         if cursors is None:

@@ -65,7 +65,7 @@ def default_worker_id(base: str | None = None) -> str:
 @dataclass
 class WorkerConfig:
     dsn: str
-    batch_id: str
+    batch_id: str | None  # None: a pool worker (pool below)
     handler: Callable[[Task], Any]
     worker_id: str = field(default_factory=default_worker_id)
     concurrency: int = 1
@@ -88,8 +88,13 @@ class WorkerConfig:
     # to start, so that the acks of a claimed batch go out together with the next claim
     # (one round trip, one commit). Its lease is heartbeated meanwhile.
     max_ack_delay: float = 0.5
+    # Claim across every open batch of this pool instead of one batch (jobrunner/pools.py).
+    pool: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.batch_id is None) == (self.pool is None):
+            raise BadInput("a worker serves either one batch or one pool: give exactly one "
+                           "of batch_id and pool")
         if self.heartbeat_interval is None:
             self.heartbeat_interval = self.visibility_timeout / 3
         checks = [
@@ -135,7 +140,8 @@ class Worker:
         self.producer = Producer(config, self.state, self.conn, self.completer,
                                  self.executor, self.effects)
         self.heartbeat = Heartbeat(config, self.state,
-                                   LeaseRescuer(config.expire_interval, config.batch_id))
+                                   LeaseRescuer(config.expire_interval, config.batch_id,
+                                                config.pool))
         self._threads: list[threading.Thread] = []
 
     @property
@@ -144,8 +150,9 @@ class Worker:
 
     def run(self) -> int:
         cfg = self.config
-        log.info("worker %s: batch %s, concurrency %d, claim batch %d, visibility %.0fs, "
-                 "heartbeat %.0fs", self.worker_id, cfg.batch_id, cfg.concurrency,
+        log.info("worker %s: %s, concurrency %d, claim batch %d, visibility %.0fs, "
+                 "heartbeat %.0fs", self.worker_id,
+                 f"pool {cfg.pool}" if cfg.pool else f"batch {cfg.batch_id}", cfg.concurrency,
                  cfg.batch_size, cfg.visibility_timeout, cfg.heartbeat_interval)
         self._start_thread(self.heartbeat.run, "heartbeat")
         if cfg.listen:

@@ -18,7 +18,7 @@
 -- Records the batch (idempotent). Returns the tenant it was first created with.
 INSERT INTO agent_batch (batch_id, tenant_id) VALUES (%(batch_id)s, %(tenant_id)s)
 ON CONFLICT (batch_id) DO UPDATE SET batch_id = EXCLUDED.batch_id
-RETURNING tenant_id, cancelled_at;
+RETURNING tenant_id, cancelled_at, pool, priority;
 
 -- name: enqueue_stage_table
 CREATE TEMP TABLE jobrunner_enqueue_stage (
@@ -1004,7 +1004,7 @@ SELECT batch_id FROM agent_batch WHERE batch_id = %(batch_id)s FOR NO KEY UPDATE
 -- never reduced, and every other task is terminal (with onDead fail: none dead). Returns
 -- the new task's id, or nothing.
 WITH due AS (
-    SELECT b.batch_id, b.tenant_id, b.reduce
+    SELECT b.batch_id, b.tenant_id, b.reduce, b.pool
     FROM agent_batch b
     WHERE b.batch_id = %(batch_id)s
       AND b.reduce IS NOT NULL AND b.cancelled_at IS NULL AND b.reduce_enqueued_at IS NULL
@@ -1015,9 +1015,12 @@ marked AS (
     FROM due WHERE b.batch_id = due.batch_id
 ),
 inserted AS (
-    INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, payload, max_attempts)
+    -- (in a pool: tagged with the pool's virtual time now, so it is claimed next)
+    INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, payload, max_attempts, pool,
+                                  vtag)
     SELECT batch_id, tenant_id, '__reduce__', jsonb_build_object('reduce', reduce),
-           coalesce((reduce->>'maxAttempts')::int, 8)
+           coalesce((reduce->>'maxAttempts')::int, 8), pool,
+           CASE WHEN pool IS NOT NULL THEN jobrunner_pool_now(pool) END
     FROM due
     ON CONFLICT (batch_id, task_key) DO NOTHING
     RETURNING id
@@ -1049,6 +1052,200 @@ SELECT reduced_at, result_bytes,
 FROM agent_batch WHERE batch_id = %(batch_id)s;
 
 -- ---------------------------------------------------------------------------------
+-- Worker pools (jobrunner/pools.py, docs/pools.md, migration 0014): a pool's workers
+-- claim across every open batch of the pool, in the order of the tasks' virtual-time
+-- tags laid at enqueue (fair share by tenant weight, batch priority as a weight
+-- multiplier). Pools take no batch under flow control (refused at enqueue and by
+-- budget_set's caller), so the pool claim carries no limit nodes.
+
+-- name: ensure_pool_batch
+-- ensure_batch for a batch enqueued into a pool: the pool and priority are set at the
+-- batch's first enqueue (the caller refuses a later enqueue that names others).
+INSERT INTO agent_batch (batch_id, tenant_id, pool, priority)
+VALUES (%(batch_id)s, %(tenant_id)s, %(pool)s, %(priority)s)
+ON CONFLICT (batch_id) DO UPDATE SET batch_id = EXCLUDED.batch_id
+RETURNING tenant_id, cancelled_at, pool, priority;
+
+-- name: pool_enqueue_start
+SELECT vstart, vstride, relay
+FROM jobrunner_pool_start(%(pool)s, %(tenant_id)s, %(priority)s, %(batch_id)s);
+
+-- name: enqueue_from_stage_pool
+-- enqueue_from_stage for a pool: each new task gets its tag, vstride apart from vstart in
+-- task key order (rows whose key exists keep theirs), and the stream's last tag moves to
+-- the last one laid.
+WITH inserted AS (
+    INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, shard_key, payload, max_attempts,
+                                  limits, tokens, pool, vtag)
+    SELECT %(batch_id)s, %(tenant_id)s, s.task_key, s.shard_key, s.payload, s.max_attempts,
+           s.limits, s.tokens, %(pool)s,
+           %(vstart)s::float8 + (row_number() OVER (ORDER BY s.task_key)) * %(vstride)s::float8
+    FROM jobrunner_enqueue_stage s
+    ORDER BY s.task_key
+    ON CONFLICT (batch_id, task_key) DO NOTHING
+    RETURNING vtag
+),
+counted AS (
+    SELECT count(*) AS new, max(vtag) AS last FROM inserted
+),
+batch_tasks AS (
+    UPDATE agent_batch
+    SET tasks = tasks + (SELECT new FROM counted)
+    WHERE batch_id = %(batch_id)s
+),
+stream AS (
+    INSERT INTO agent_pool_stream AS s (pool, tenant_id, priority, last_tag)
+    SELECT %(pool)s, %(tenant_id)s, %(priority)s, last FROM counted WHERE last IS NOT NULL
+    ON CONFLICT (pool, tenant_id, priority)
+    DO UPDATE SET last_tag = greatest(s.last_tag, EXCLUDED.last_tag)
+),
+clock AS (
+    UPDATE agent_pool SET vclock = greatest(vclock, (SELECT last FROM counted))
+    WHERE pool = %(pool)s AND (SELECT last FROM counted) IS NOT NULL
+)
+SELECT new FROM counted;
+
+-- name: pool_relay
+SELECT jobrunner_pool_relay(%(pool)s, %(tenant_id)s, %(priority)s, %(vstart)s,
+                            %(vstride)s) AS last;
+
+-- name: notify_pool
+SELECT pg_notify('jobrunner_pool', %(pool)s);
+
+-- name: pool_set_weight
+SELECT jobrunner_pool_set_weight(%(pool)s, %(tenant_id)s, %(weight)s) AS streams;
+
+-- name: batch_pool
+SELECT pool FROM agent_batch WHERE batch_id = %(batch_id)s;
+
+-- name: ack_and_claim_pool
+-- ack_and_claim for a pool's workers: the same acks, shard leases, tags and guarantees
+-- (see ack_and_claim above), but the candidates are the pool's pending tasks in tag
+-- order, whatever their batch: the claim index (pool, vtag, id) holds pending pool tasks
+-- only. The scan position is (vtag, id) after the worker's last claim, reset at least
+-- every second as in ack_and_claim. Rows come back as ack_and_claim's plus the tag.
+WITH lockable AS (
+    SELECT l.id FROM agent_work_queue l
+    WHERE l.id = ANY(%(ids)s::bigint[])
+    FOR NO KEY UPDATE SKIP LOCKED
+),
+acked AS (
+    -- ids, attempts and results (a JSON array) are parallel arrays: each row finds its
+    -- own entries by array_position, which keeps the plan to one index scan (a join to
+    -- unnest() cost a nested loop and a function scan per execution).
+    UPDATE agent_work_queue q
+    SET status = 'done',
+        result = %(results)s::jsonb -> (array_position(%(ids)s::bigint[], q.id) - 1),
+        finished_at = now(),
+        locked_until = NULL,
+        updated_at = now()
+    WHERE q.id = ANY(ARRAY(SELECT id FROM lockable))  -- see "Plans" at the top of this file
+      AND q.attempts = (%(attempts)s::int[])[array_position(%(ids)s::bigint[], q.id)]
+      AND q.lease_owner = %(worker_id)s
+      AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
+    RETURNING q.id, q.tenant_id, q.shard_key, q.limits
+),
+released AS (
+    DELETE FROM agent_shard_lease s USING acked
+    WHERE (s.tenant_id, s.shard_key, s.task_id) = (acked.tenant_id, acked.shard_key, acked.id)
+),
+slots_freed AS (
+    DELETE FROM agent_limit_lease s USING acked
+    WHERE acked.limits IS NOT NULL
+      AND s.limit_name = ANY(acked.limits) AND s.task_id = acked.id
+),
+candidates AS (
+    SELECT q.id, q.tenant_id, coalesce(q.shard_key, '') AS shard_key
+    FROM agent_work_queue q
+    WHERE q.pool = %(pool)s
+      AND q.status = 'pending'
+      AND q.run_after <= now()
+      AND (q.vtag, q.id) > (%(after_vtag)s::float8, %(after_id)s::bigint)
+      AND NOT EXISTS (
+          SELECT 1 FROM agent_shard_lease s
+          WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
+      AND q.limits IS NULL  -- (never in a pool: refused at enqueue)
+    ORDER BY q.vtag, q.id
+    LIMIT %(limit)s
+    FOR UPDATE OF q SKIP LOCKED
+),
+one_per_shard AS (
+    SELECT DISTINCT ON (tenant_id, shard_key) id, tenant_id, shard_key
+    FROM candidates
+    WHERE shard_key <> ''
+    ORDER BY tenant_id, shard_key, id
+),
+shard_leases AS (
+    -- Inserted in key order so that two claimers never wait on each other in a cycle.
+    INSERT INTO agent_shard_lease (tenant_id, shard_key, task_id, lease_owner)
+    SELECT tenant_id, shard_key, id, %(worker_id)s FROM one_per_shard
+    ORDER BY tenant_id, shard_key
+    ON CONFLICT DO NOTHING
+    RETURNING task_id
+),
+chosen AS (
+    SELECT id FROM candidates WHERE shard_key = ''
+    UNION ALL
+    SELECT task_id FROM shard_leases
+),
+claimed AS (
+    UPDATE agent_work_queue q
+    SET status = 'leased',
+        lease_owner = %(worker_id)s,
+        locked_until = now() + make_interval(secs => %(visibility_timeout)s),
+        attempts = q.attempts + 1,
+        updated_at = now()
+    WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
+    RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
+              q.attempts, q.max_attempts, q.locked_until, q.run_after, q.vtag
+)
+SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
+       NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
+       NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until,
+       NULL::timestamptz AS run_after, NULL::float8 AS vtag
+FROM acked
+UNION ALL
+SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM agent_work_queue b
+WHERE b.id = ANY(%(ids)s::bigint[]) AND b.id <> ALL(ARRAY(SELECT id FROM lockable))
+  AND cardinality(%(ids)s::bigint[]) > (SELECT count(*) FROM lockable)  -- else not run
+UNION ALL
+SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts,
+       max_attempts, locked_until, run_after, vtag
+FROM claimed;
+
+-- name: pool_open
+-- A pool worker's drain check: the pool has a pending task (due now or later), or a
+-- leased task in one of its batches.
+SELECT EXISTS (SELECT 1 FROM agent_work_queue
+               WHERE pool = %(pool)s AND status = 'pending')
+    OR EXISTS (SELECT 1 FROM agent_batch b
+               WHERE b.pool = %(pool)s
+                 AND EXISTS (SELECT 1 FROM agent_work_queue q
+                             WHERE q.batch_id = b.batch_id AND q.status = 'leased')) AS open;
+
+-- name: pool_reduce_due
+-- The pool's batches whose reduce step may still have to be enqueued (few rows): the
+-- pool worker's maintenance tick and drain check run the reduce trigger for each.
+SELECT batch_id FROM agent_batch
+WHERE pool = %(pool)s AND reduce IS NOT NULL AND reduce_enqueued_at IS NULL
+  AND cancelled_at IS NULL
+ORDER BY batch_id;
+
+-- name: pool_show
+-- A pool's tenants: weight, streams' last tags, and their pending and leased tasks.
+SELECT b.tenant_id, coalesce(t.weight, 1) AS weight,
+       count(DISTINCT b.batch_id) AS batches,
+       sum((SELECT count(*) FROM agent_work_queue q
+            WHERE q.batch_id = b.batch_id AND q.status = 'pending')) AS pending,
+       sum((SELECT count(*) FROM agent_work_queue q
+            WHERE q.batch_id = b.batch_id AND q.status = 'leased')) AS leased
+FROM agent_batch b
+LEFT JOIN agent_pool_tenant t ON t.pool = b.pool AND t.tenant_id = b.tenant_id
+WHERE b.pool = %(pool)s
+GROUP BY b.tenant_id, t.weight
+ORDER BY b.tenant_id;
+
 -- Generators (jobrunner/generators.py, docs/sources.md): one task per batch, key
 -- '__generate__', inserted with the batch; it runs the user's code, which enqueues the
 -- batch's tasks in chunks (the ordinary keyed enqueue, each chunk one transaction fenced

@@ -169,8 +169,11 @@ def _reap_workers() -> Iterator[None]:
 
 
 def start_worker(dsn: str, batch: str, handler: str, *extra: str, log: Path | None = None,
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
-    args = [sys.executable, "-m", "jobrunner", "worker", "--batch", batch, "--handler", handler,
+                 env: dict[str, str] | None = None, pool: str | None = None
+                 ) -> subprocess.Popen:
+    """A worker process of the batch, or with `pool` a pool worker (batch not used)."""
+    target = ["--pool", pool] if pool is not None else ["--batch", batch]
+    args = [sys.executable, "-m", "jobrunner", "worker", *target, "--handler", handler,
             "--log-level", "info", *extra]
     stream = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(args, env=env or child_env(dsn), cwd=REPO, stdout=stream,

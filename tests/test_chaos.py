@@ -1,5 +1,6 @@
 """Chaos soak: kill -9 workers at random and restart PostgreSQL twice while a batch runs,
-directly and through PgBouncer in transaction pooling mode. Nothing may be lost, stuck,
+directly, through PgBouncer in transaction pooling mode, and through a worker pool (pool
+workers, a second tenant's batch beside it). Nothing may be lost, stuck,
 duplicated in effect, or leased twice per shard.
 
 Bounded for CI (10k tasks, a minute or two each); `pytest --soak` runs a longer one. The
@@ -18,11 +19,11 @@ from tests.support.soak import N_POISON, N_WORKERS, Fault, report, run_soak
 
 
 def _soak(server, worker_dsn: str, tmp_path, *, tasks: int, label: str, capsys,
-          extra_env: dict[str, str] | None = None) -> None:
+          extra_env: dict[str, str] | None = None, pool: str | None = None) -> None:
     restarts = [Fault(tasks // 3, lambda: server.restart("fast")),
                 Fault(2 * tasks // 3, lambda: server.restart("immediate"))]
     r = run_soak(server.dsn(), worker_dsn, tmp_path, tasks=tasks, label=label,
-                 faults=restarts, extra_env=extra_env)
+                 faults=restarts, extra_env=extra_env, pool=pool)
     report(f"chaos[{label}]: tasks={tasks + N_POISON} kills={r.kills} pg_restarts={r.faults} "
            f"done={r.counts['done']} dead={r.counts['dead']} (designed poison={N_POISON}) "
            f"leased={r.counts['leased']} pending={r.counts['pending']} stuck={r.stuck} "
@@ -46,6 +47,14 @@ def soak_size(request) -> int:
 def test_chaos_soak_direct(own_server, tmp_path, capsys, soak_size):
     _soak(own_server, own_server.dsn(), tmp_path, tasks=soak_size, label="direct",
           capsys=capsys)
+
+
+@pytest.mark.slow
+def test_chaos_soak_through_a_worker_pool(own_server, tmp_path, capsys, soak_size):
+    """The same soak with the batch in a worker pool next to another tenant's batch, and
+    pool workers (issue 18): the pool claim keeps every guarantee. Half the size."""
+    _soak(own_server, own_server.dsn(), tmp_path, tasks=soak_size // 2, label="pool",
+          capsys=capsys, pool="chaos-pool")
 
 
 @pytest.mark.slow

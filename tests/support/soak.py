@@ -28,6 +28,7 @@ from tests.conftest import child_env, start_worker
 from tests.support.figures import show
 
 BATCH = "chaos"
+NEIGHBOUR = "chaos-neighbour"  # another tenant's batch in the pool (run_soak with a pool)
 SCHEMA = """
 CREATE TABLE chaos_raw (id bigserial PRIMARY KEY, task_key text, shard_key text, attempt int,
                         worker text, started_at timestamptz, ended_at timestamptz);
@@ -62,9 +63,10 @@ class Monitor:
                 with psycopg.connect(self.dsn, autocommit=True, connect_timeout=2) as conn:
                     while not self.stop.is_set():
                         rows = conn.execute(
-                            "SELECT shard_key, count(*) FROM agent_work_queue"
+                            # (a shard is a tenant's: two tenants may use one key)
+                            "SELECT tenant_id, shard_key, count(*) FROM agent_work_queue"
                             " WHERE status = 'leased' AND shard_key IS NOT NULL"
-                            " GROUP BY shard_key HAVING count(*) > 1").fetchall()
+                            " GROUP BY tenant_id, shard_key HAVING count(*) > 1").fetchall()
                         self.samples += 1
                         self.overlaps.extend(rows)
                         time.sleep(0.02)
@@ -93,6 +95,8 @@ class SoakResult:
     samples: int
     acked_overlaps: int
     killed: dict[int, float] = field(default_factory=dict)  # worker pid -> when (time.time())
+    # With a pool: the other tenant's batch, (tasks, its status counts after the run).
+    neighbour: tuple[int, dict[str, int]] | None = None
 
     @property
     def reexecutions(self) -> int:
@@ -113,11 +117,18 @@ class SoakResult:
                 self.done_without_effect) == (0, 0, 0)
         assert self.overlaps == [] and self.samples > 50
         assert self.acked_overlaps == 0
+        if self.neighbour is not None:
+            n, counts = self.neighbour
+            assert counts["done"] == n and counts["pending"] == counts["leased"] == 0, counts
 
 
 def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label: str,
              faults: list[Fault], extra_env: dict[str, str] | None = None,
-             worker_args: tuple[str, ...] = WORKER_ARGS) -> SoakResult:
+             worker_args: tuple[str, ...] = WORKER_ARGS, pool: str | None = None
+             ) -> SoakResult:
+    """With `pool`, the batch is enqueued into that worker pool, next to a second tenant's
+    batch of the pool (done by the same workers, checked for loss too), and the workers
+    are the pool's (`worker --pool`)."""
     with psycopg.connect(direct, row_factory=dict_row) as conn:
         conn.execute(SCHEMA)
         conn.commit()
@@ -125,14 +136,19 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
                  for i in range(tasks)]
         specs += [TaskSpec(f"poison-{i}", {"poison": True}, shard_key=f"shard-{i}")
                   for i in range(N_POISON)]
-        Queue(conn).enqueue(BATCH, "acme", specs)
+        Queue(conn).enqueue(BATCH, "acme", specs, pool=pool)
+        if pool is not None:
+            Queue(conn).enqueue(NEIGHBOUR, "other-tenant", [
+                TaskSpec(f"n{i:05d}", {"noop": True}, shard_key=f"shard-{i % N_SHARDS}")
+                for i in range(tasks // 10)], pool=pool)
 
     env = child_env(worker_dsn, **(extra_env or {}))
 
     def spawn(i: int):
         size = "1" if i % 2 else "4"
         return start_worker(worker_dsn, BATCH, "tests.support.chaos:handle", *worker_args,
-                            "--batch-size", size, env=env, log=tmp_path / f"{label}-w{i}.log")
+                            "--batch-size", size, env=env, log=tmp_path / f"{label}-w{i}.log",
+                            pool=pool)
 
     monitor = Monitor(direct)
     watcher = threading.Thread(target=monitor.run, daemon=True)
@@ -155,7 +171,7 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
     next_kill = time.monotonic() + rng.uniform(0.5, 2.0)
     while time.monotonic() - started < 900:
         finished = finished_count()
-        if finished >= tasks + N_POISON:
+        if finished >= tasks + N_POISON + (tasks // 10 if pool is not None else 0):
             break
         if plan and finished >= plan[0].at and plan[0].ready():
             plan.pop(0).action()
@@ -213,6 +229,7 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
               ON a.shard_key = b.shard_key AND a.task_key < b.task_key
              AND a.started_at < b.ended_at AND b.started_at < a.ended_at""")
         stuck = q.health(BATCH)["stuck"]
+        neighbour = (tasks // 10, q.counts(NEIGHBOUR)) if pool is not None else None
         dead_keys = [r["task_key"] for r in q.list_dead(BATCH)]
     return SoakResult(tasks=tasks, kills=kills, faults=applied, elapsed=elapsed, counts=counts,
                       stuck=stuck, dead_keys=dead_keys, effects=effects,
@@ -221,7 +238,7 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
                       ledger_without_effect=ledger_without_effect,
                       done_without_effect=done_without_effect, raw=raw,
                       overlaps=monitor.overlaps, samples=monitor.samples,
-                      acked_overlaps=acked_overlaps, killed=killed)
+                      acked_overlaps=acked_overlaps, killed=killed, neighbour=neighbour)
 
 
 def _reader(conn: psycopg.Connection) -> Callable[[str], Any]:

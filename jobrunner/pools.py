@@ -1,0 +1,159 @@
+"""Worker pools (issue 18; docs/pools.md): long-lived workers that claim across every
+open batch of a pool, fair across tenants.
+
+Guarantees (the claim's own, lease, fencing, shard exclusion, SIGTERM release, effects,
+reduce, hold unchanged: a pool claim is ack_and_claim with another candidate scan):
+- A batch belongs to at most one pool, set at its first enqueue and never changed; an
+  enqueue that names another pool (or none, for a pool's batch) is refused, writing
+  nothing.
+- Fair share: tenants share a pool by weight (default 1); the batches of one tenant at one
+  priority share its part round-robin; a batch's priority p (-3..3) multiplies its weight
+  by 10^p, so urgent work goes first and the rest still gets at least 1/(1 + 10^p) of it.
+  Shares hold over claims, whatever the number of workers: the order is a tag on each
+  task, laid at enqueue (start-time fair queuing), and claims take tags in order.
+- A tenant that was idle starts at the pool's virtual time now: it banks no credit.
+- Pools take no batch under flow control: tasks that name limits, batch limits, and
+  budgets on a pool's batch are refused with a clear error (a later step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg.rows import dict_row, tuple_row
+
+from .errors import BadInput
+from .sqlfiles import query
+from .validation import check_identifier
+
+if TYPE_CHECKING:
+    from .queue import Queue
+
+MIN_PRIORITY, MAX_PRIORITY = -3, 3
+# (a stream's tag spacing stays within 10^-6..10^6: migration 0014)
+MIN_WEIGHT, MAX_WEIGHT = 0.001, 1000
+
+
+def check_pool(pool: Any) -> str:
+    return check_identifier(pool, "pool name")
+
+
+def check_priority(priority: Any) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise BadInput(f"priority must be an integer, got {priority!r}")
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise BadInput(f"priority must be between {MIN_PRIORITY} and {MAX_PRIORITY} (a weight "
+                       f"multiplier of 10^priority), got {priority}")
+    return priority
+
+
+def check_weight(weight: Any) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+        raise BadInput(f"weight must be a number, got {weight!r}")
+    if not math.isfinite(weight) or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise BadInput(f"weight must be between {MIN_WEIGHT} and {MAX_WEIGHT}, got {weight}")
+    return float(weight)
+
+
+def check_batch_fits(batch_id: str, tenant_id: str, pool: str | None, priority: int,
+                     row: dict[str, Any]) -> None:
+    """After ensure_batch / ensure_pool_batch: the batch's pool and priority are the ones
+    this enqueue names (they are fixed at the batch's first enqueue)."""
+    if row["pool"] != pool:
+        if row["pool"] is None:
+            raise BadInput(f"batch {batch_id!r} is not in a pool (it was first enqueued "
+                           f"without one); enqueue it without --pool, or use a new batch id")
+        raise BadInput(f"batch {batch_id!r} belongs to pool {row['pool']!r}"
+                       + (f", not {pool!r}" if pool else "; enqueue it with that pool"))
+    if pool is not None and row["priority"] != priority:
+        raise BadInput(f"batch {batch_id!r} has priority {row['priority']}, not {priority} "
+                       "(set at its first enqueue)")
+
+
+def refuse_flow_control(batch_id: str, pool: str, named: dict[str, str]) -> None:
+    if named:
+        name, where = next(iter(named.items()))
+        raise BadInput(f"batch {batch_id!r} goes to pool {pool!r}, but {where} names limit "
+                       f"{name!r}: pools do not take batches under flow control yet "
+                       "(docs/pools.md)")
+
+
+def enqueue_staged(conn: psycopg.Connection, batch_id: str, tenant_id: str, pool: str,
+                   priority: int) -> int:
+    """Inside the enqueue's transaction, once the tasks are staged: lay their tags and
+    insert them; returns how many are new."""
+    cur = conn.cursor(row_factory=dict_row)
+    key = {"pool": pool, "tenant_id": tenant_id, "priority": priority, "batch_id": batch_id}
+    start = cur.execute(query("pool_enqueue_start"), key).fetchone()
+    new = cur.execute(query("enqueue_from_stage_pool"), {
+        **key, "vstart": start["vstart"], "vstride": start["vstride"]}).fetchone()["new"]
+    if new and start["relay"]:
+        # The batch joins batches of its tenant (and priority) that have pending tasks:
+        # they share the stream's part round-robin from here on.
+        cur.execute(query("pool_relay"), {**key, "vstart": start["vstart"],
+                                          "vstride": start["vstride"]})
+    if new:
+        cur.execute(query("notify_pool"), {"pool": pool})
+    return int(new)
+
+
+def set_weight(conn: psycopg.Connection, pool: str, tenant_id: str, weight: float) -> int:
+    """Set a tenant's weight in a pool (default 1); its pending tasks are re-laid so the
+    weight holds from the next claim. Returns the number of its streams re-laid."""
+    check_pool(pool)
+    check_identifier(tenant_id, "tenant id")
+    weight = check_weight(weight)
+    with conn.transaction():
+        row = conn.cursor(row_factory=dict_row).execute(query("pool_set_weight"), {
+            "pool": pool, "tenant_id": tenant_id, "weight": weight}).fetchone()
+    return int(row["streams"])
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    tenant_id: str
+    weight: float
+    batches: int
+    pending: int
+    leased: int
+
+
+def show(conn: psycopg.Connection, pool: str) -> list[TenantShare]:
+    check_pool(pool)
+    with conn.transaction():
+        rows = conn.cursor(row_factory=dict_row).execute(query("pool_show"),
+                                                         {"pool": pool}).fetchall()
+    return [TenantShare(r["tenant_id"], float(r["weight"]), int(r["batches"]),
+                        int(r["pending"] or 0), int(r["leased"] or 0)) for r in rows]
+
+
+def batch_pool(conn: psycopg.Connection, batch_id: str) -> str | None:
+    row = conn.cursor(row_factory=dict_row).execute(query("batch_pool"),
+                                                    {"batch_id": batch_id}).fetchone()
+    return row["pool"] if row else None
+
+
+def reduce_due(conn: psycopg.Connection, pool: str) -> list[str]:
+    """The pool's batches whose reduce step may still have to be enqueued."""
+    with conn.transaction():
+        return [r[0] for r in conn.cursor(row_factory=tuple_row).execute(query("pool_reduce_due"),
+                                                    {"pool": pool}).fetchall()]
+
+
+def pool_open(q: Queue, pool: str) -> bool:
+    """A pool worker's drain check: True while the pool has tasks pending or leased, or
+    a batch whose reduce is still to run (enqueued here if it is due)."""
+    from .reduce import trigger
+
+    with q.conn.transaction():
+        cur = q.conn.cursor(row_factory=tuple_row)
+        if cur.execute(query("pool_open"), {"pool": pool}).fetchone()[0]:
+            return True
+    running = False
+    for batch_id in reduce_due(q.conn, pool):
+        st = trigger(q.conn, batch_id)
+        running = running or (st is not None and st.running)
+    return running
