@@ -34,10 +34,6 @@ def pytest_collection_modifyitems(config, items):
             continue
         if _HERE in p.parents:
             item.add_marker(pytest.mark.e2e)
-            # One node per machine: under pytest-xdist (`make test`) every e2e test goes
-            # to the same worker, which starts the cluster once, while the other workers
-            # run the rest of the suite next to it (--dist loadgroup).
-            item.add_marker(pytest.mark.xdist_group("e2e"))
 
 
 def _in_ci() -> bool:
