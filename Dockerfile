@@ -41,6 +41,7 @@ RUN --mount=type=secret,id=ca-certificates,required=false \
            "$site/_distutils_hack" "$site/distutils-precedence.pth" "$site"/setuptools-*.dist-info \
  && /opt/venv/bin/python -m compileall -q -b "$site/kubernetes" \
  && find "$site/kubernetes" -name '*.py' -delete \
+ && find "$site/kubernetes" -name __pycache__ -prune -exec rm -rf {} + \
  && /opt/venv/bin/python -m compileall -q /opt/venv \
  && /opt/venv/bin/pip uninstall -y pip
 
