@@ -9,6 +9,7 @@ import signal
 import time
 
 import psycopg
+import pytest
 
 from tests.support import figures
 
@@ -123,6 +124,20 @@ def test_writing_outside_tmp_fails_with_a_clear_error(k8s, namespace, dsn, opera
     show(capsys, f"read-only root filesystem: last_error {rows['outside'][:160]!r}")
 
 
+@pytest.fixture
+def quick_operator(k8s, namespace, dsn, tmp_path):
+    """The controller with an 8 s pod-start timeout instead of 30 s: the tests of pods
+    that can never start need not wait the default out (the timeout is the same code)."""
+    from .operator_support import Controller, apply_crds, create_db_secret
+
+    apply_crds(k8s)
+    create_db_secret(k8s, namespace, dsn)
+    controller = Controller(k8s, namespace, tmp_path / "controller.log",
+                            JOBRUNNER_POD_START_TIMEOUT_SECONDS="8").start()
+    yield controller
+    controller.stop()
+
+
 def _assert_refused(k8s, namespace, name, operator, reason: str, words: str,
                     started: float, capsys) -> dict:
     cond = wait_for(f"WorkersHealthy={reason}", lambda: condition(
@@ -148,7 +163,8 @@ def _assert_refused(k8s, namespace, name, operator, reason: str, words: str,
 
 
 def test_a_root_uid_is_refused_by_the_kubelet_and_the_run_says_why(k8s, namespace, dsn,
-                                                                    operator, capsys):
+                                                                    quick_operator, capsys):
+    operator = quick_operator
     started = time.monotonic()
     apply(k8s, namespace, batchrun("as-root", {
         "tenant": "t", "workers": 1, "handler": "tests.support.handlers:noop",
@@ -159,7 +175,9 @@ def test_a_root_uid_is_refused_by_the_kubelet_and_the_run_says_why(k8s, namespac
     assert br["status"]["counts"]["pending"] == 2
 
 
-def test_a_missing_image_is_reported_within_a_minute(k8s, namespace, dsn, operator, capsys):
+def test_a_missing_image_is_reported_within_a_minute(k8s, namespace, dsn, quick_operator,
+                                                     capsys):
+    operator = quick_operator
     started = time.monotonic()
     apply(k8s, namespace, batchrun("no-image", {
         "tenant": "t", "workers": 2, "handler": "tests.support.handlers:noop",
