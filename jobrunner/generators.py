@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import queue as queue_mod
-import re
 import shlex
 import shutil
 import subprocess
@@ -56,7 +55,6 @@ MAX_CHUNK = 10_000
 # A chunk is also sent when its first task has waited this long, so a slow generator's
 # tasks do not wait for a full chunk before workers see them.
 FLUSH_SECONDS = 0.5
-_HANDLER = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*")  # the CRD's pattern
 _END = object()
 
 
@@ -105,25 +103,8 @@ class GeneratorSpec:
 def parse_generator(raw: Any, where: str, max_attempts: int = 8) -> GeneratorSpec:
     """spec.source.generator of a manifest (the CRD applies the same rules)."""
     at = f"{where}: spec.source.generator"
-    if not isinstance(raw, Mapping):
-        raise BadInput(f"{at} must be a mapping with handler or command, and args")
-    unknown = set(raw) - {"handler", "command", "args", "chunkSize", "maxAttempts"}
-    if unknown:
-        raise BadInput(f"{at}: unknown field(s) {', '.join(sorted(map(str, unknown)))} "
-                       "(handler, command, args, chunkSize, maxAttempts)")
-    handler, command = raw.get("handler"), raw.get("command")
-    if (handler is None) == (command is None):
-        raise BadInput(f"{at}: exactly one of handler (module:function) or command must be set")
-    if handler is not None and (not isinstance(handler, str)
-                                or not _HANDLER.fullmatch(handler)):
-        raise BadInput(f"{at}.handler must look like 'package.module:function', got "
-                       f"{handler!r}")
-    if command is not None:
-        if isinstance(command, str):
-            command = ["/bin/sh", "-c", command]
-        if not isinstance(command, list) or not command or not all(
-                isinstance(c, str) and c for c in command):
-            raise BadInput(f"{at}.command must be a non-empty list of strings")
+    handler, command = validation.parse_step(
+        raw, at, ("handler", "command", "args", "chunkSize", "maxAttempts"), "args")
     args = raw.get("args", {})
     if not isinstance(args, Mapping):
         raise BadInput(f"{at}.args must be a mapping (handed to the generator as JSON)")

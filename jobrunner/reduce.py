@@ -28,7 +28,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import re
 import shlex
 import shutil
 import sys
@@ -58,7 +57,6 @@ ON_DEAD = ("fail", "skip", "include")
 RESULT_EFFECT = "jobrunner:batch-result"  # its effects-ledger key
 STATUS_RESULT_BYTES = 4096  # a larger result is not copied into a BatchRun's status
 _LEASE_CHECK_EVERY = 1000  # results between two lease checks of the input stream
-_HANDLER = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*")  # the CRD's pattern
 
 
 @dataclass(frozen=True)
@@ -91,25 +89,8 @@ def parse_reduce(raw: Any, where: str, max_attempts: int = 8) -> ReduceSpec | No
     if raw is None:
         return None
     at = f"{where}: spec.reduce"
-    if not isinstance(raw, Mapping):
-        raise BadInput(f"{at} must be a mapping with handler or command, and onDead")
-    unknown = set(raw) - {"handler", "command", "onDead"}
-    if unknown:
-        raise BadInput(f"{at}: unknown field(s) {', '.join(sorted(map(str, unknown)))} "
-                       "(handler, command, onDead)")
-    handler, command = raw.get("handler"), raw.get("command")
-    if (handler is None) == (command is None):
-        raise BadInput(f"{at}: exactly one of handler (module:function) or command must be set")
-    if handler is not None and (not isinstance(handler, str)
-                                or not _HANDLER.fullmatch(handler)):
-        raise BadInput(f"{at}.handler must look like 'package.module:function', got "
-                       f"{handler!r}")
-    if command is not None:
-        if isinstance(command, str):
-            command = ["/bin/sh", "-c", command]
-        if not isinstance(command, list) or not command or not all(
-                isinstance(c, str) and c for c in command):
-            raise BadInput(f"{at}.command must be a non-empty list of strings")
+    handler, command = validation.parse_step(raw, at, ("handler", "command", "onDead"),
+                                             "onDead")
     on_dead = raw.get("onDead", "fail")
     if on_dead not in ON_DEAD:
         raise BadInput(f"{at}.onDead must be one of {', '.join(ON_DEAD)}, got {on_dead!r}")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,3 +167,34 @@ def check_positive_seconds(value: float, what: str, *, maximum: float = 7 * 8640
     if not 0 < value <= maximum:
         raise BadInput(f"{what} must be greater than 0 and at most {maximum:g}, got {value:g}")
     return float(value)
+
+
+# A step's handler, as the CRDs' pattern has it (module:function).
+HANDLER_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*")
+
+
+def parse_step(raw: Any, at: str, fields: tuple[str, ...], what: str
+               ) -> tuple[str | None, list[str] | None]:
+    """A step of a BatchRun that runs user code (spec.reduce, spec.source.generator):
+    a mapping of `fields` with exactly one of handler (module:function) or command (a
+    list of strings, or one string run by /bin/sh -c). Returns (handler, command)."""
+    if not isinstance(raw, Mapping):
+        raise BadInput(f"{at} must be a mapping with handler or command, and {what}")
+    unknown = set(raw) - set(fields)
+    if unknown:
+        raise BadInput(f"{at}: unknown field(s) {', '.join(sorted(map(str, unknown)))} "
+                       f"({', '.join(fields)})")
+    handler, command = raw.get("handler"), raw.get("command")
+    if (handler is None) == (command is None):
+        raise BadInput(f"{at}: exactly one of handler (module:function) or command must be set")
+    if handler is not None and (not isinstance(handler, str)
+                                or not HANDLER_PATTERN.fullmatch(handler)):
+        raise BadInput(f"{at}.handler must look like 'package.module:function', got "
+                       f"{handler!r}")
+    if command is not None:
+        if isinstance(command, str):
+            command = ["/bin/sh", "-c", command]
+        if not isinstance(command, list) or not command or not all(
+                isinstance(c, str) and c for c in command):
+            raise BadInput(f"{at}.command must be a non-empty list of strings")
+    return handler, command
