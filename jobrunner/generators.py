@@ -28,7 +28,6 @@ import queue as queue_mod
 import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -41,7 +40,7 @@ from psycopg.rows import dict_row
 
 from . import db, validation
 from .errors import BadInput, LeaseLost, PermanentError
-from .handlers import EXIT_RETRY, PythonHandler, RetryableError, _kill_group
+from .handlers import EXIT_RETRY, PythonHandler, RetryableError, _kill_group, importable
 from .queue import Queue
 from .sqlfiles import query
 from .task import Task
@@ -160,14 +159,8 @@ def load(spec: GeneratorSpec) -> Callable[[Task], Iterator[tuple[str, Any]]]:
 def check_loadable(spec: GeneratorSpec, paths: Sequence[str] = ()) -> None:
     """Load the step once, as a worker would (with `paths` importable too), so that a bad
     one is refused before anything is written."""
-    added = [p for p in paths if p and p not in sys.path]
-    sys.path[:0] = added
-    try:
+    with importable(paths):
         load(spec)
-    finally:
-        for p in added:
-            if p in sys.path:
-                sys.path.remove(p)
 
 
 def _command_lines(argv: list[str], task: Task, args: Mapping[str, Any]

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from .errors import BadInput, LeaseLost, PermanentError, RateLimited
@@ -40,6 +40,21 @@ _POLL = 0.05
 
 class RetryableError(Exception):
     pass
+
+
+@contextlib.contextmanager
+def importable(paths: Sequence[str]) -> Iterator[None]:
+    """`paths` on sys.path for the block (those not there already), then taken off: a
+    step is loaded once, as a worker would, to refuse a bad one before anything is
+    written."""
+    added = [p for p in paths if p and p not in sys.path]
+    sys.path[:0] = added
+    try:
+        yield
+    finally:
+        for p in added:
+            if p in sys.path:
+                sys.path.remove(p)
 
 
 def load_callable(spec: str) -> Callable[[Task], Any]:

@@ -30,7 +30,6 @@ import json
 import logging
 import shlex
 import shutil
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from psycopg.rows import dict_row
 
 from . import db, validation
 from .errors import BadInput, PermanentError
-from .handlers import CommandHandler, PythonHandler
+from .handlers import CommandHandler, PythonHandler, importable
 from .queue import dumps_result
 from .results import stream
 from .sqlfiles import query
@@ -139,14 +138,8 @@ def load(spec: ReduceSpec) -> Callable[[Task, Callable[[], Iterator[dict[str, An
 def check_loadable(spec: ReduceSpec, paths: Sequence[str] = ()) -> None:
     """Load the step once, as a worker would (with `paths` importable too), so that a bad
     one is refused before anything is written."""
-    added = [p for p in paths if p and p not in sys.path]
-    sys.path[:0] = added
-    try:
+    with importable(paths):
         load(spec)
-    finally:
-        for p in added:
-            if p in sys.path:
-                sys.path.remove(p)
 
 
 def inputs(conn: psycopg.Connection, task: Task, include_dead: bool) -> Iterator[dict[str, Any]]:
