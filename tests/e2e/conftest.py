@@ -19,11 +19,28 @@ from .harness import build
 _HERE = Path(__file__).resolve().parent
 
 
+# Set by hack/test-suite.sh: a cluster another process runs (its --info file), which
+# several pytest processes share; unset, the session starts a cluster of its own.
+SHARED_CLUSTER = os.environ.get("JOBRUNNER_E2E_CLUSTER", "")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "e2e: end-to-end test against a real kube-apiserver/controller-manager (tests/e2e)",
     )
+    config.addinivalue_line(
+        "markers",
+        "exclusive: needs the cluster to itself (restarts its API server, or runs a "
+        "cluster-wide controller): never run on a shared cluster (-m exclusive runs them)",
+    )
+
+
+def pytest_runtest_setup(item):
+    if SHARED_CLUSTER and item.get_closest_marker("exclusive"):
+        pytest.fail("an exclusive test cannot run on a shared cluster "
+                    "(JOBRUNNER_E2E_CLUSTER is set): run it with -m exclusive alone",
+                    pytrace=False)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -57,6 +74,13 @@ def ensure_bin_dir() -> Path:
 def k8s():
     from .harness.cluster import Cluster
 
+    if SHARED_CLUSTER:
+        cluster = Cluster.attach(SHARED_CLUSTER)
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+        return
     bin_dir = ensure_bin_dir()
     cluster = Cluster(bin_dir)
     cluster.start()

@@ -12,6 +12,7 @@ import json
 import time
 
 import psycopg
+import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .operator_support import (
@@ -63,6 +64,7 @@ def test_controller_killed_mid_enqueue(k8s, namespace, dsn, operator):
     k8s.kubectl("delete", "batchrun", "big", "-n", namespace, "--timeout=120s")
 
 
+@pytest.mark.exclusive  # (see tests/e2e/conftest.py)
 def test_apiserver_restart_mid_run(k8s, namespace, dsn, operator):
     apply(k8s, namespace, batchrun("survivor", {
         "tenant": "t", "workers": 2, "handler": "tests.support.handlers:record",

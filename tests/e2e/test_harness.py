@@ -9,6 +9,8 @@ import signal
 import textwrap
 import time
 
+import pytest
+
 PY = "python"
 IMAGE = "jobrunner:e2e"  # built from the Dockerfile into the node's containerd
 NODE = "127.0.0.1"
@@ -534,6 +536,7 @@ def test_kill_9_gets_replacement_pod(k8s, namespace):
     )
 
 
+@pytest.mark.exclusive  # (see tests/e2e/conftest.py)
 def test_restart_apiserver(k8s, namespace):
     k8s.restart_apiserver()
     assert k8s.kubectl("get", "namespace", namespace).returncode == 0

@@ -512,6 +512,7 @@ def test_uninstall_leaves_nothing_but_the_crds(k8s, release):
         k8s.kubectl("get", "crd", crd)  # kept, as Helm does with crds/ (and NOTES says so)
 
 
+@pytest.mark.exclusive  # (see tests/e2e/conftest.py)
 def test_cluster_wide_install_runs_batchruns_in_any_namespace(k8s, db):
     home, app = new_namespace(k8s), new_namespace(k8s)
     release, fullname = "jrcw", "jrcw-jobrunner"

@@ -36,7 +36,7 @@ import yaml
 from . import build
 from .images import JOBRUNNER_IMAGE
 from .node import Node
-from .pki import PKI
+from .pki import PKI, CertPair
 from .procs import Proc, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -121,6 +121,8 @@ class Cluster:
         self.kcm: Proc | None = None
         self._stopped = False
         self._lock = threading.RLock()
+        # Set by attach(): another process runs the cluster; this one only uses it.
+        self.attached = False
         path_entries = [
             str(self.bin_dir),
             os.path.dirname(sys.executable),
@@ -291,7 +293,45 @@ class Cluster:
         self._log(f"cluster ready in {time.monotonic() - t0:.1f}s at {self.server}")
         return self
 
+    # ------------------------------------------------------------ sharing
+    def share_info(self) -> dict:
+        """What another process needs to use this running cluster (see attach)."""
+        return {
+            "root": str(self.root), "kubeconfig": str(self.kubeconfig), "server": self.server,
+            "apiserver_port": self.apiserver_port, "bin_dir": str(self.bin_dir),
+            "ca": str(self.pki.ca.cert), "admin_cert": str(self.admin.cert),
+            "admin_key": str(self.admin.key),
+            "node": None if self.node is None else {
+                "root": str(self.node.root), "kubelet_port": self.node.kubelet_port},
+        }
+
+    @classmethod
+    def attach(cls, info_file: Path | str) -> Cluster:
+        """A handle on a cluster another process started (``python -m
+        tests.e2e.harness.cluster --info FILE``): kubectl, helm, API clients, pod logs and
+        signals to pods work; restarting or stopping its processes does not (such tests are
+        marked ``exclusive`` and run on a cluster of their own)."""
+        info = json.loads(Path(info_file).read_text())
+        c = cls(info["bin_dir"], kubeconfig_path=info["kubeconfig"], keep=False)
+        c.attached = True
+        c.server, c.apiserver_port = info["server"], info["apiserver_port"]
+        ca = Path(info["ca"])
+        c.pki = type("SharedPKI", (), {"ca": CertPair(ca, ca), "dir": ca.parent})()
+        c.admin = CertPair(Path(info["admin_cert"]), Path(info["admin_key"]))
+        c.ca_pem = ca.read_bytes()
+        c.admin_config = yaml.safe_load(Path(info["kubeconfig"]).read_text())
+        if info["node"]:
+            c.node = Node.attached(Path(info["node"]["root"]), c.bin_dir, c.kubeconfig,
+                                   info["node"]["kubelet_port"])
+        return c
+
+    def _not_attached(self, what: str) -> None:
+        if self.attached:
+            raise ClusterError(f"{what}: this process only attached to a cluster another one "
+                               "runs; mark the test @pytest.mark.exclusive (tests/e2e/README.md)")
+
     def start_apiserver(self, timeout: float = 180.0) -> None:
+        self._not_attached("start_apiserver")
         with self._lock:
             if self.apiserver.alive():
                 return
@@ -318,6 +358,9 @@ class Cluster:
             if self._stopped:
                 return
             self._stopped = True
+        if self.attached:  # (its own helm dirs only: the cluster is the other process's)
+            shutil.rmtree(self.root, ignore_errors=True)
+            return
         if self.node is not None:
             try:
                 self.node.stop()
@@ -512,6 +555,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--keep", action="store_true", help="keep the temp dir (logs, etcd data) on exit"
     )
+    ap.add_argument("--info", help="once ready, write what other processes need to attach "
+                    "(JOBRUNNER_E2E_CLUSTER=FILE pytest tests/e2e) to FILE")
     a = ap.parse_args(argv)
     if not build.binaries_present() and not build.go_available():
         print("e2e binaries are missing and `go` is not installed", file=sys.stderr)
@@ -549,6 +594,10 @@ def main(argv=None) -> int:
                   "its DSN is in Secret default/jobrunner-db", file=sys.stderr)
         print(json.dumps(cluster.info(), indent=2))
         print(usage(cluster, bin_dir), flush=True)
+        if a.info:
+            tmp = Path(a.info + ".tmp")
+            tmp.write_text(json.dumps(cluster.share_info()))
+            tmp.replace(a.info)
         while not stop.wait(1):
             procs = [cluster.etcd, cluster.apiserver, cluster.kcm]
             if cluster.node:

@@ -140,6 +140,17 @@ class Node:
         return cls(Path(tempfile.mkdtemp(prefix="jobrunner-node-")), build.bin_dir(), None, "",
                    Path("/nonexistent"), None)
 
+    @classmethod
+    def attached(cls, root: Path, bin_dir: Path, admin_kubeconfig: Path,
+                 kubelet_port: int) -> Node:
+        """A handle on the node of a cluster another process runs (Cluster.attach): its
+        pod logs, its containers' PIDs and signals; nothing started or stopped."""
+        if not (RUN_DIR / "containerd.sock").exists():
+            raise NodeError("no test node is running")
+        node = cls(root, bin_dir, None, "", admin_kubeconfig, None, build_images=False)
+        node.kubelet_port = kubelet_port
+        return node
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Node:
         t0 = time.monotonic()
