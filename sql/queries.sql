@@ -124,10 +124,6 @@ acked AS (
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.tenant_id, q.shard_key, q.limits
 ),
-released AS (
-    DELETE FROM agent_shard_lease s USING acked
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (acked.tenant_id, acked.shard_key, acked.id)
-),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING acked
     WHERE acked.limits IS NOT NULL
@@ -142,9 +138,10 @@ candidates AS (
       -- Where this worker's scan starts (the position after its last claim, or the
       -- start: '-infinity', 0): see "Scan position" above.
       AND (q.run_after, q.id) > (%(after_run_after)s::timestamptz, %(after_id)s::bigint)
-      AND NOT EXISTS (
-          SELECT 1 FROM agent_shard_lease s
-          WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
+      AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
+          SELECT 1 FROM agent_work_queue l
+          WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
+            AND l.status = 'leased')
       AND q.limits IS NULL  -- (flow control: see above)
     ORDER BY q.run_after, q.id
     LIMIT %(limit)s
@@ -156,13 +153,18 @@ one_per_shard AS (
     WHERE shard_key <> ''
     ORDER BY tenant_id, shard_key, id
 ),
+shard_keys AS MATERIALIZED (
+    SELECT array_agg(id ORDER BY tenant_id, shard_key) AS ids,
+           array_agg(tenant_id ORDER BY tenant_id, shard_key) AS tenants,
+           array_agg(shard_key ORDER BY tenant_id, shard_key) AS shards
+    FROM one_per_shard
+),
 shard_leases AS (
-    -- Inserted in key order so that two claimers never wait on each other in a cycle.
-    INSERT INTO agent_shard_lease (tenant_id, shard_key, task_id, lease_owner)
-    SELECT tenant_id, shard_key, id, %(worker_id)s FROM one_per_shard
-    ORDER BY tenant_id, shard_key
-    ON CONFLICT DO NOTHING
-    RETURNING task_id
+    -- the tasks whose shard this claim may lease (migration 0016); not called when the
+    -- candidates have no shard key
+    SELECT k.ids[i] AS task_id
+    FROM shard_keys k, unnest(jobrunner_shard_take(k.tenants, k.shards)) AS i
+    WHERE k.ids IS NOT NULL
 ),
 chosen AS (
     SELECT id FROM candidates WHERE shard_key = ''
@@ -264,10 +266,6 @@ acked AS (
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.tenant_id, q.shard_key, q.limits
 ),
-released AS (
-    DELETE FROM agent_shard_lease s USING acked
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (acked.tenant_id, acked.shard_key, acked.id)
-),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING acked
     WHERE acked.limits IS NOT NULL
@@ -282,9 +280,10 @@ candidates AS (
       -- Where this worker's scan starts (the position after its last claim, or the
       -- start: '-infinity', 0): see "Scan position" above.
       AND (q.run_after, q.id) > (%(after_run_after)s::timestamptz, %(after_id)s::bigint)
-      AND NOT EXISTS (
-          SELECT 1 FROM agent_shard_lease s
-          WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
+      AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
+          SELECT 1 FROM agent_work_queue l
+          WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
+            AND l.status = 'leased')
       -- Limits that exist and are not visibly full (blocked, or their next request or
       -- token not due yet); the check that counts is jobrunner_limit_admit's, under the
       -- locks. (The clock, not now(): a claim that committed after this transaction started may have
@@ -326,13 +325,18 @@ one_per_shard AS (
     WHERE shard_key <> '' AND id = ANY(ARRAY(SELECT id FROM limit_ok))
     ORDER BY tenant_id, shard_key, id
 ),
+shard_keys AS MATERIALIZED (
+    SELECT array_agg(id ORDER BY tenant_id, shard_key) AS ids,
+           array_agg(tenant_id ORDER BY tenant_id, shard_key) AS tenants,
+           array_agg(shard_key ORDER BY tenant_id, shard_key) AS shards
+    FROM one_per_shard
+),
 shard_leases AS (
-    -- Inserted in key order so that two claimers never wait on each other in a cycle.
-    INSERT INTO agent_shard_lease (tenant_id, shard_key, task_id, lease_owner)
-    SELECT tenant_id, shard_key, id, %(worker_id)s FROM one_per_shard
-    ORDER BY tenant_id, shard_key
-    ON CONFLICT DO NOTHING
-    RETURNING task_id
+    -- the tasks whose shard this claim may lease (migration 0016); not called when the
+    -- candidates have no shard key
+    SELECT k.ids[i] AS task_id
+    FROM shard_keys k, unnest(jobrunner_shard_take(k.tenants, k.shards)) AS i
+    WHERE k.ids IS NOT NULL
 ),
 chosen AS (
     SELECT id FROM candidates WHERE shard_key = '' AND id = ANY(ARRAY(SELECT id FROM limit_ok))
@@ -436,10 +440,6 @@ WITH failed AS (
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key, q.limits
 ),
-released AS (
-    DELETE FROM agent_shard_lease s USING failed
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (failed.tenant_id, failed.shard_key, failed.id)
-),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING failed
     WHERE failed.limits IS NOT NULL
@@ -478,10 +478,6 @@ WITH throttled AS (
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key, q.limits
 ),
-released AS (
-    DELETE FROM agent_shard_lease s USING throttled t
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (t.tenant_id, t.shard_key, t.id)
-),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING throttled t
     WHERE t.limits IS NOT NULL AND s.limit_name = ANY(t.limits) AND s.task_id = t.id
@@ -513,10 +509,6 @@ WITH released_tasks AS (
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.tenant_id, q.shard_key, q.limits
-),
-released AS (
-    DELETE FROM agent_shard_lease s USING released_tasks r
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (r.tenant_id, r.shard_key, r.id)
 ),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING released_tasks r
@@ -554,10 +546,6 @@ moved AS (
         updated_at = now()
     WHERE q.id = ANY(ARRAY(SELECT id FROM expired))
     RETURNING q.id, q.batch_id, q.status, q.tenant_id, q.shard_key, q.limits
-),
-released AS (
-    DELETE FROM agent_shard_lease s USING moved
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (moved.tenant_id, moved.shard_key, moved.id)
 ),
 slots_freed AS (
     -- a killed worker's concurrency slots free here, when its lease expires
@@ -1145,10 +1133,6 @@ acked AS (
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.tenant_id, q.shard_key, q.limits
 ),
-released AS (
-    DELETE FROM agent_shard_lease s USING acked
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (acked.tenant_id, acked.shard_key, acked.id)
-),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING acked
     WHERE acked.limits IS NOT NULL
@@ -1161,9 +1145,10 @@ candidates AS (
       AND q.status = 'pending'
       AND q.run_after <= now()
       AND (q.vtag, q.id) > (%(after_vtag)s::float8, %(after_id)s::bigint)
-      AND NOT EXISTS (
-          SELECT 1 FROM agent_shard_lease s
-          WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
+      AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
+          SELECT 1 FROM agent_work_queue l
+          WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
+            AND l.status = 'leased')
       AND q.limits IS NULL  -- (never in a pool: refused at enqueue)
     ORDER BY q.vtag, q.id
     LIMIT %(limit)s
@@ -1175,13 +1160,18 @@ one_per_shard AS (
     WHERE shard_key <> ''
     ORDER BY tenant_id, shard_key, id
 ),
+shard_keys AS MATERIALIZED (
+    SELECT array_agg(id ORDER BY tenant_id, shard_key) AS ids,
+           array_agg(tenant_id ORDER BY tenant_id, shard_key) AS tenants,
+           array_agg(shard_key ORDER BY tenant_id, shard_key) AS shards
+    FROM one_per_shard
+),
 shard_leases AS (
-    -- Inserted in key order so that two claimers never wait on each other in a cycle.
-    INSERT INTO agent_shard_lease (tenant_id, shard_key, task_id, lease_owner)
-    SELECT tenant_id, shard_key, id, %(worker_id)s FROM one_per_shard
-    ORDER BY tenant_id, shard_key
-    ON CONFLICT DO NOTHING
-    RETURNING task_id
+    -- the tasks whose shard this claim may lease (migration 0016); not called when the
+    -- candidates have no shard key
+    SELECT k.ids[i] AS task_id
+    FROM shard_keys k, unnest(jobrunner_shard_take(k.tenants, k.shards)) AS i
+    WHERE k.ids IS NOT NULL
 ),
 chosen AS (
     SELECT id FROM candidates WHERE shard_key = ''
