@@ -62,7 +62,7 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 --
 -- Ack: fenced on (id, lease_owner, attempt): a worker whose lease was lost gets no row
 -- back and changes nothing, so it can never overwrite a newer attempt. The task's shard
--- lease is released in the same statement. An acked row that another transaction holds
+-- lease ends with its 'leased' status (nothing else to write: see "Shard leases"). An acked row that another transaction holds
 -- locked at this moment is not waited for: it comes back as 'busy' and the worker sends
 -- its ack again with its next statement. Who holds it: almost always a claimer whose
 -- snapshot predates our claim's commit: its SKIP LOCKED scan still saw the row as
@@ -72,10 +72,18 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 -- lease lost).
 --
 -- Claim: pick ready rows with FOR UPDATE SKIP LOCKED (rows other claimers hold are
--- skipped, never waited on), take the shard lease of at most one task per shard (the
--- primary key of agent_shard_lease serialises concurrent claimers of the same shard:
--- the loser's INSERT sees the conflict and the task is simply not chosen), then mark
--- the chosen rows leased. The CTE form matters: an `UPDATE ... WHERE id IN (SELECT ...
+-- skipped, never waited on), take the shard lease of at most one task per shard, then
+-- mark the chosen rows leased.
+--
+-- Shard leases (migration 0016): a shard's lease is the leased row of its task, and a
+-- unique index over the leased rows' (tenant_id, shard_key) makes two impossible. A
+-- claim takes a shard in jobrunner_shard_take: a transaction-scoped advisory try-lock
+-- per shard (another claim taking it right now: the task is simply not chosen, as a
+-- lost race always was), then a check, in a snapshot taken after the lock, that no task
+-- of the shard is leased; every claim holds that lock until it commits, so the check
+-- sees all that committed before. Ack, fail, release and expiry end the lease by moving
+-- the task out of 'leased': no row of its own to insert, confirm and delete (that was
+-- 14 %% of a task's WAL). The CTE form matters: an `UPDATE ... WHERE id IN (SELECT ...
 -- LIMIT n)` may be re-evaluated by the planner and claim more than n rows. The NOT
 -- EXISTS is only a pre-filter that keeps rows of busy shards out of the LIMIT;
 -- correctness comes from the INSERT.
@@ -182,9 +190,9 @@ claimed AS (
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
               q.attempts, q.max_attempts, q.locked_until, q.run_after
 )
--- No row lock is ever waited for: acks and claims both skip locked rows, and the
--- shard-lease inserts wait only on other inserts of the same key, taken in key order;
--- so no cycle of waits, no deadlock. (An earlier version waited for busy acks; it had
+-- No lock is ever waited for: acks and claims both skip locked rows, and shard locks
+-- are only tried; the unique index of leased rows could wait only for another claim
+-- of the same shard, which holds that shard's lock; so no cycle of waits, no deadlock. (An earlier version waited for busy acks; it had
 -- to ack before claiming, or two workers acking rows the other had just re-checked
 -- deadlocked for deadlock_timeout at 8 workers.)
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
@@ -232,9 +240,8 @@ FROM claimed;
 -- every slot the lane handed out since (`acquired` now minus `acquired` in the
 -- snapshot), so a slot taken by a claim that committed after this snapshot is counted.
 -- A task may be admitted and then lose its shard race: the lanes are then charged only
--- for the tasks finally chosen. Lane locks never wait, and shard-lease inserts wait only
--- on each other in key order, so no cycle of waits; ack, fail and expire never touch a
--- lane.
+-- for the tasks finally chosen. Lane locks and shard locks are only tried, never waited
+-- for, so no cycle of waits; ack, fail and expire never touch a lane.
 --
 -- Budget: a batch whose agent_batch_usage row shows its tokens or cost at or over the
 -- budget claims nothing (one index probe; no row, no budget).
@@ -363,9 +370,9 @@ claimed AS (
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
               q.attempts, q.max_attempts, q.locked_until, q.run_after
 )
--- No row lock is ever waited for: acks and claims both skip locked task rows and
--- limit lanes, and the shard-lease inserts wait only on other inserts of the same key,
--- taken in key order; so no cycle of waits, no deadlock. (An earlier version waited for busy acks; it had to ack before
+-- No lock is ever waited for: acks and claims both skip locked task rows and limit
+-- lanes, and shard locks are only tried (see ack_and_claim); so no cycle of waits, no
+-- deadlock. (An earlier version waited for busy acks; it had to ack before
 -- claiming, or two workers acking rows the other had just re-checked deadlocked for
 -- deadlock_timeout at 8 workers.)
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
