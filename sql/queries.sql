@@ -161,18 +161,10 @@ one_per_shard AS (
     WHERE shard_key <> ''
     ORDER BY tenant_id, shard_key, id
 ),
-shard_keys AS MATERIALIZED (
-    SELECT array_agg(id ORDER BY tenant_id, shard_key) AS ids,
-           array_agg(tenant_id ORDER BY tenant_id, shard_key) AS tenants,
-           array_agg(shard_key ORDER BY tenant_id, shard_key) AS shards
-    FROM one_per_shard
-),
 shard_leases AS (
-    -- the tasks whose shard this claim may lease (migration 0016); not called when the
-    -- candidates have no shard key
-    SELECT k.ids[i] AS task_id
-    FROM shard_keys k, unnest(jobrunner_shard_take(k.tenants, k.shards)) AS i
-    WHERE k.ids IS NOT NULL
+    -- the tasks whose shard this claim may lease (migration 0016; a volatile function,
+    -- so this CTE is evaluated once, and each call checks in a snapshot of its own)
+    SELECT id AS task_id FROM one_per_shard WHERE jobrunner_shard_take(tenant_id, shard_key)
 ),
 chosen AS (
     SELECT id FROM candidates WHERE shard_key = ''
@@ -332,18 +324,10 @@ one_per_shard AS (
     WHERE shard_key <> '' AND id = ANY(ARRAY(SELECT id FROM limit_ok))
     ORDER BY tenant_id, shard_key, id
 ),
-shard_keys AS MATERIALIZED (
-    SELECT array_agg(id ORDER BY tenant_id, shard_key) AS ids,
-           array_agg(tenant_id ORDER BY tenant_id, shard_key) AS tenants,
-           array_agg(shard_key ORDER BY tenant_id, shard_key) AS shards
-    FROM one_per_shard
-),
 shard_leases AS (
-    -- the tasks whose shard this claim may lease (migration 0016); not called when the
-    -- candidates have no shard key
-    SELECT k.ids[i] AS task_id
-    FROM shard_keys k, unnest(jobrunner_shard_take(k.tenants, k.shards)) AS i
-    WHERE k.ids IS NOT NULL
+    -- the tasks whose shard this claim may lease (migration 0016; a volatile function,
+    -- so this CTE is evaluated once, and each call checks in a snapshot of its own)
+    SELECT id AS task_id FROM one_per_shard WHERE jobrunner_shard_take(tenant_id, shard_key)
 ),
 chosen AS (
     SELECT id FROM candidates WHERE shard_key = '' AND id = ANY(ARRAY(SELECT id FROM limit_ok))
@@ -1167,18 +1151,10 @@ one_per_shard AS (
     WHERE shard_key <> ''
     ORDER BY tenant_id, shard_key, id
 ),
-shard_keys AS MATERIALIZED (
-    SELECT array_agg(id ORDER BY tenant_id, shard_key) AS ids,
-           array_agg(tenant_id ORDER BY tenant_id, shard_key) AS tenants,
-           array_agg(shard_key ORDER BY tenant_id, shard_key) AS shards
-    FROM one_per_shard
-),
 shard_leases AS (
-    -- the tasks whose shard this claim may lease (migration 0016); not called when the
-    -- candidates have no shard key
-    SELECT k.ids[i] AS task_id
-    FROM shard_keys k, unnest(jobrunner_shard_take(k.tenants, k.shards)) AS i
-    WHERE k.ids IS NOT NULL
+    -- the tasks whose shard this claim may lease (migration 0016; a volatile function,
+    -- so this CTE is evaluated once, and each call checks in a snapshot of its own)
+    SELECT id AS task_id FROM one_per_shard WHERE jobrunner_shard_take(tenant_id, shard_key)
 ),
 chosen AS (
     SELECT id FROM candidates WHERE shard_key = ''
