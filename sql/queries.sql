@@ -62,8 +62,9 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 --
 -- Ack: fenced on (id, lease_owner, attempt): a worker whose lease was lost gets no row
 -- back and changes nothing, so it can never overwrite a newer attempt. The task's shard
--- lease ends with its 'leased' status (nothing else to write: see "Shard leases"). An acked row that another transaction holds
--- locked at this moment is not waited for: it comes back as 'busy' and the worker sends
+-- lease ends with its 'leased' status (nothing else to write: see "Shard leases"). An
+-- acked row that another transaction holds locked at this moment is not waited for: it
+-- comes back as 'busy' and the worker sends
 -- its ack again with its next statement. Who holds it: almost always a claimer whose
 -- snapshot predates our claim's commit: its SKIP LOCKED scan still saw the row as
 -- pending, locked the newest version and only then found it leased, and keeps that
@@ -73,7 +74,10 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 --
 -- Claim: pick ready rows with FOR UPDATE SKIP LOCKED (rows other claimers hold are
 -- skipped, never waited on), take the shard lease of at most one task per shard, then
--- mark the chosen rows leased.
+-- mark the chosen rows leased. The CTE form matters: an `UPDATE ... WHERE id IN (SELECT
+-- ... LIMIT n)` may be re-evaluated by the planner and claim more than n rows. The NOT
+-- EXISTS is only a pre-filter that keeps rows of busy shards out of the LIMIT;
+-- correctness comes from jobrunner_shard_take (see "Shard leases").
 --
 -- Shard leases (migration 0016): a shard's lease is the leased row of its task, and a
 -- unique index over the leased rows' (tenant_id, shard_key) makes two impossible. A
@@ -83,10 +87,7 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 -- of the shard is leased; every claim holds that lock until it commits, so the check
 -- sees all that committed before. Ack, fail, release and expiry end the lease by moving
 -- the task out of 'leased': no row of its own to insert, confirm and delete (that was
--- 14 %% of a task's WAL). The CTE form matters: an `UPDATE ... WHERE id IN (SELECT ...
--- LIMIT n)` may be re-evaluated by the planner and claim more than n rows. The NOT
--- EXISTS is only a pre-filter that keeps rows of busy shards out of the LIMIT;
--- correctness comes from the INSERT.
+-- 14 %% of a task's WAL).
 --
 -- Scan position: the pending index keeps an entry for every row claimed since the last
 -- vacuum (the entry of its old, pending version), and every scan from the start of the
@@ -184,9 +185,10 @@ claimed AS (
 )
 -- No lock is ever waited for: acks and claims both skip locked rows, and shard locks
 -- are only tried; the unique index of leased rows could wait only for another claim
--- of the same shard, which holds that shard's lock; so no cycle of waits, no deadlock. (An earlier version waited for busy acks; it had
--- to ack before claiming, or two workers acking rows the other had just re-checked
--- deadlocked for deadlock_timeout at 8 workers.)
+-- of the same shard, which holds that shard's lock; so no cycle of waits, no deadlock.
+-- (An earlier version waited for busy acks; it had to ack before claiming, or two
+-- workers acking rows the other had just re-checked deadlocked for deadlock_timeout at
+-- 8 workers.)
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
        NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
        NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until,
