@@ -62,8 +62,9 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 --
 -- Ack: fenced on (id, lease_owner, attempt): a worker whose lease was lost gets no row
 -- back and changes nothing, so it can never overwrite a newer attempt. The task's shard
--- lease is released in the same statement. An acked row that another transaction holds
--- locked at this moment is not waited for: it comes back as 'busy' and the worker sends
+-- lease ends with its 'leased' status (nothing else to write: see "Shard leases"). An
+-- acked row that another transaction holds locked at this moment is not waited for: it
+-- comes back as 'busy' and the worker sends
 -- its ack again with its next statement. Who holds it: almost always a claimer whose
 -- snapshot predates our claim's commit: its SKIP LOCKED scan still saw the row as
 -- pending, locked the newest version and only then found it leased, and keeps that
@@ -72,13 +73,21 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 -- lease lost).
 --
 -- Claim: pick ready rows with FOR UPDATE SKIP LOCKED (rows other claimers hold are
--- skipped, never waited on), take the shard lease of at most one task per shard (the
--- primary key of agent_shard_lease serialises concurrent claimers of the same shard:
--- the loser's INSERT sees the conflict and the task is simply not chosen), then mark
--- the chosen rows leased. The CTE form matters: an `UPDATE ... WHERE id IN (SELECT ...
--- LIMIT n)` may be re-evaluated by the planner and claim more than n rows. The NOT
+-- skipped, never waited on), take the shard lease of at most one task per shard, then
+-- mark the chosen rows leased. The CTE form matters: an `UPDATE ... WHERE id IN (SELECT
+-- ... LIMIT n)` may be re-evaluated by the planner and claim more than n rows. The NOT
 -- EXISTS is only a pre-filter that keeps rows of busy shards out of the LIMIT;
--- correctness comes from the INSERT.
+-- correctness comes from jobrunner_shard_take (see "Shard leases").
+--
+-- Shard leases (migration 0016): a shard's lease is the leased row of its task, and a
+-- unique index over the leased rows' (tenant_id, shard_key) makes two impossible. A
+-- claim takes a shard in jobrunner_shard_take: a transaction-scoped advisory try-lock
+-- per shard (another claim taking it right now: the task is simply not chosen, as a
+-- lost race always was), then a check, in a snapshot taken after the lock, that no task
+-- of the shard is leased; every claim holds that lock until it commits, so the check
+-- sees all that committed before. Ack, fail, release and expiry end the lease by moving
+-- the task out of 'leased': no row of its own to insert, confirm and delete (that was
+-- 14 %% of a task's WAL).
 --
 -- Scan position: the pending index keeps an entry for every row claimed since the last
 -- vacuum (the entry of its old, pending version), and every scan from the start of the
@@ -124,10 +133,6 @@ acked AS (
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.tenant_id, q.shard_key, q.limits
 ),
-released AS (
-    DELETE FROM agent_shard_lease s USING acked
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (acked.tenant_id, acked.shard_key, acked.id)
-),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING acked
     WHERE acked.limits IS NOT NULL
@@ -142,9 +147,10 @@ candidates AS (
       -- Where this worker's scan starts (the position after its last claim, or the
       -- start: '-infinity', 0): see "Scan position" above.
       AND (q.run_after, q.id) > (%(after_run_after)s::timestamptz, %(after_id)s::bigint)
-      AND NOT EXISTS (
-          SELECT 1 FROM agent_shard_lease s
-          WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
+      AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
+          SELECT 1 FROM agent_work_queue l
+          WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
+            AND l.status = 'leased')
       AND q.limits IS NULL  -- (flow control: see above)
     ORDER BY q.run_after, q.id
     LIMIT %(limit)s
@@ -157,12 +163,9 @@ one_per_shard AS (
     ORDER BY tenant_id, shard_key, id
 ),
 shard_leases AS (
-    -- Inserted in key order so that two claimers never wait on each other in a cycle.
-    INSERT INTO agent_shard_lease (tenant_id, shard_key, task_id, lease_owner)
-    SELECT tenant_id, shard_key, id, %(worker_id)s FROM one_per_shard
-    ORDER BY tenant_id, shard_key
-    ON CONFLICT DO NOTHING
-    RETURNING task_id
+    -- the tasks whose shard this claim may lease (migration 0016; a volatile function,
+    -- so this CTE is evaluated once, and each call checks in a snapshot of its own)
+    SELECT id AS task_id FROM one_per_shard WHERE jobrunner_shard_take(tenant_id, shard_key)
 ),
 chosen AS (
     SELECT id FROM candidates WHERE shard_key = ''
@@ -180,11 +183,12 @@ claimed AS (
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
               q.attempts, q.max_attempts, q.locked_until, q.run_after
 )
--- No row lock is ever waited for: acks and claims both skip locked rows, and the
--- shard-lease inserts wait only on other inserts of the same key, taken in key order;
--- so no cycle of waits, no deadlock. (An earlier version waited for busy acks; it had
--- to ack before claiming, or two workers acking rows the other had just re-checked
--- deadlocked for deadlock_timeout at 8 workers.)
+-- No lock is ever waited for: acks and claims both skip locked rows, and shard locks
+-- are only tried; the unique index of leased rows could wait only for another claim
+-- of the same shard, which holds that shard's lock; so no cycle of waits, no deadlock.
+-- (An earlier version waited for busy acks; it had to ack before claiming, or two
+-- workers acking rows the other had just re-checked deadlocked for deadlock_timeout at
+-- 8 workers.)
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
        NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
        NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until,
@@ -230,9 +234,8 @@ FROM claimed;
 -- every slot the lane handed out since (`acquired` now minus `acquired` in the
 -- snapshot), so a slot taken by a claim that committed after this snapshot is counted.
 -- A task may be admitted and then lose its shard race: the lanes are then charged only
--- for the tasks finally chosen. Lane locks never wait, and shard-lease inserts wait only
--- on each other in key order, so no cycle of waits; ack, fail and expire never touch a
--- lane.
+-- for the tasks finally chosen. Lane locks and shard locks are only tried, never waited
+-- for, so no cycle of waits; ack, fail and expire never touch a lane.
 --
 -- Budget: a batch whose agent_batch_usage row shows its tokens or cost at or over the
 -- budget claims nothing (one index probe; no row, no budget).
@@ -264,10 +267,6 @@ acked AS (
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.tenant_id, q.shard_key, q.limits
 ),
-released AS (
-    DELETE FROM agent_shard_lease s USING acked
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (acked.tenant_id, acked.shard_key, acked.id)
-),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING acked
     WHERE acked.limits IS NOT NULL
@@ -282,9 +281,10 @@ candidates AS (
       -- Where this worker's scan starts (the position after its last claim, or the
       -- start: '-infinity', 0): see "Scan position" above.
       AND (q.run_after, q.id) > (%(after_run_after)s::timestamptz, %(after_id)s::bigint)
-      AND NOT EXISTS (
-          SELECT 1 FROM agent_shard_lease s
-          WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
+      AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
+          SELECT 1 FROM agent_work_queue l
+          WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
+            AND l.status = 'leased')
       -- Limits that exist and are not visibly full (blocked, or their next request or
       -- token not due yet); the check that counts is jobrunner_limit_admit's, under the
       -- locks. (The clock, not now(): a claim that committed after this transaction started may have
@@ -327,12 +327,9 @@ one_per_shard AS (
     ORDER BY tenant_id, shard_key, id
 ),
 shard_leases AS (
-    -- Inserted in key order so that two claimers never wait on each other in a cycle.
-    INSERT INTO agent_shard_lease (tenant_id, shard_key, task_id, lease_owner)
-    SELECT tenant_id, shard_key, id, %(worker_id)s FROM one_per_shard
-    ORDER BY tenant_id, shard_key
-    ON CONFLICT DO NOTHING
-    RETURNING task_id
+    -- the tasks whose shard this claim may lease (migration 0016; a volatile function,
+    -- so this CTE is evaluated once, and each call checks in a snapshot of its own)
+    SELECT id AS task_id FROM one_per_shard WHERE jobrunner_shard_take(tenant_id, shard_key)
 ),
 chosen AS (
     SELECT id FROM candidates WHERE shard_key = '' AND id = ANY(ARRAY(SELECT id FROM limit_ok))
@@ -359,9 +356,9 @@ claimed AS (
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
               q.attempts, q.max_attempts, q.locked_until, q.run_after
 )
--- No row lock is ever waited for: acks and claims both skip locked task rows and
--- limit lanes, and the shard-lease inserts wait only on other inserts of the same key,
--- taken in key order; so no cycle of waits, no deadlock. (An earlier version waited for busy acks; it had to ack before
+-- No lock is ever waited for: acks and claims both skip locked task rows and limit
+-- lanes, and shard locks are only tried (see ack_and_claim); so no cycle of waits, no
+-- deadlock. (An earlier version waited for busy acks; it had to ack before
 -- claiming, or two workers acking rows the other had just re-checked deadlocked for
 -- deadlock_timeout at 8 workers.)
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
@@ -436,10 +433,6 @@ WITH failed AS (
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key, q.limits
 ),
-released AS (
-    DELETE FROM agent_shard_lease s USING failed
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (failed.tenant_id, failed.shard_key, failed.id)
-),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING failed
     WHERE failed.limits IS NOT NULL
@@ -478,10 +471,6 @@ WITH throttled AS (
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key, q.limits
 ),
-released AS (
-    DELETE FROM agent_shard_lease s USING throttled t
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (t.tenant_id, t.shard_key, t.id)
-),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING throttled t
     WHERE t.limits IS NOT NULL AND s.limit_name = ANY(t.limits) AND s.task_id = t.id
@@ -513,10 +502,6 @@ WITH released_tasks AS (
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.tenant_id, q.shard_key, q.limits
-),
-released AS (
-    DELETE FROM agent_shard_lease s USING released_tasks r
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (r.tenant_id, r.shard_key, r.id)
 ),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING released_tasks r
@@ -554,10 +539,6 @@ moved AS (
         updated_at = now()
     WHERE q.id = ANY(ARRAY(SELECT id FROM expired))
     RETURNING q.id, q.batch_id, q.status, q.tenant_id, q.shard_key, q.limits
-),
-released AS (
-    DELETE FROM agent_shard_lease s USING moved
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (moved.tenant_id, moved.shard_key, moved.id)
 ),
 slots_freed AS (
     -- a killed worker's concurrency slots free here, when its lease expires
@@ -1145,10 +1126,6 @@ acked AS (
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
     RETURNING q.id, q.tenant_id, q.shard_key, q.limits
 ),
-released AS (
-    DELETE FROM agent_shard_lease s USING acked
-    WHERE (s.tenant_id, s.shard_key, s.task_id) = (acked.tenant_id, acked.shard_key, acked.id)
-),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING acked
     WHERE acked.limits IS NOT NULL
@@ -1161,9 +1138,10 @@ candidates AS (
       AND q.status = 'pending'
       AND q.run_after <= now()
       AND (q.vtag, q.id) > (%(after_vtag)s::float8, %(after_id)s::bigint)
-      AND NOT EXISTS (
-          SELECT 1 FROM agent_shard_lease s
-          WHERE s.tenant_id = q.tenant_id AND s.shard_key = q.shard_key)
+      AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
+          SELECT 1 FROM agent_work_queue l
+          WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
+            AND l.status = 'leased')
       AND q.limits IS NULL  -- (never in a pool: refused at enqueue)
     ORDER BY q.vtag, q.id
     LIMIT %(limit)s
@@ -1176,12 +1154,9 @@ one_per_shard AS (
     ORDER BY tenant_id, shard_key, id
 ),
 shard_leases AS (
-    -- Inserted in key order so that two claimers never wait on each other in a cycle.
-    INSERT INTO agent_shard_lease (tenant_id, shard_key, task_id, lease_owner)
-    SELECT tenant_id, shard_key, id, %(worker_id)s FROM one_per_shard
-    ORDER BY tenant_id, shard_key
-    ON CONFLICT DO NOTHING
-    RETURNING task_id
+    -- the tasks whose shard this claim may lease (migration 0016; a volatile function,
+    -- so this CTE is evaluated once, and each call checks in a snapshot of its own)
+    SELECT id AS task_id FROM one_per_shard WHERE jobrunner_shard_take(tenant_id, shard_key)
 ),
 chosen AS (
     SELECT id FROM candidates WHERE shard_key = ''

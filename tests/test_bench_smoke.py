@@ -26,7 +26,8 @@ def test_real_workers_drain_a_small_batch_and_the_report_renders(tmp_path: Path)
         assert run.rate > 0 and run.pg_cpu_s >= 0 and run.worker_cpu_s > 0
         # every task ran exactly once, and no shard lease is left behind
         assert system.sql("SELECT max(attempts), count(*) FROM agent_work_queue")[0] == (1, 2000)
-        assert system.sql("SELECT count(*) FROM agent_shard_lease")[0][0] == 0
+        assert system.sql("SELECT count(*) FROM agent_work_queue WHERE status = 'leased'"
+                          )[0][0] == 0
         # the wait-event sampler sees the backends of pgbench and of the workers
         sampled = waits(server, [(system, 1)], PgBench(server), workers=2, tasks=300,
                         cap=60, pgbench_seconds=2.0, logdir=tmp_path)

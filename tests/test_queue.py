@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from jobrunner.errors import BadInput, UnknownBatch
 from jobrunner.queue import Outcome, Queue, Timing
@@ -103,10 +104,14 @@ def test_stale_worker_cannot_overwrite_newer_attempt(conn):
     assert not queue.ack(W1, old, {"stale": True})
     assert queue.fail(W1, old, "stale failure") is None
     assert queue.release(W1, [old]) == set()
-    # ... and it did not release the shard the new attempt holds.
-    assert conn.execute("SELECT task_id, lease_owner FROM agent_shard_lease").fetchall() == [
-        {"task_id": new.id, "lease_owner": W2}]
+    # ... and it did not release the shard the new attempt holds: the shard's lease is
+    # the leased row of its task (migration 0016), and another task of it is not claimed.
+    assert conn.execute("SELECT id, lease_owner FROM agent_work_queue"
+                        " WHERE status = 'leased' AND shard_key = 'repo-1'").fetchall() == [
+        {"id": new.id, "lease_owner": W2}]
     conn.rollback()
+    queue.enqueue("b", "acme", tasks(1, shard="repo-1", prefix="other"))
+    assert queue.claim("b", W1) == []
     assert queue.ack(W2, new, {"fresh": True})
     r = row(conn, new.id)
     assert r["status"] == "done" and r["result"] == {"fresh": True}
@@ -171,10 +176,41 @@ def test_release_does_not_burn_an_attempt(queue: Queue, conn):
     assert queue.release(W1, [lease]) == {lease.id}
     r = row(conn, lease.id)
     assert r["status"] == "pending" and r["attempts"] == 0
-    assert conn.execute("SELECT count(*) AS n FROM agent_shard_lease").fetchone()["n"] == 0
+    # nothing holds the shard: no task of it is leased
+    assert conn.execute("SELECT count(*) AS n FROM agent_work_queue"
+                        " WHERE status = 'leased' AND shard_key = 's'").fetchone()["n"] == 0
     conn.rollback()
     (again,) = queue.claim("b", W2)
     assert again.attempt == 1
+
+
+def test_shard_lease_is_the_leased_row_taken_under_a_try_lock(queue: Queue, conn, dsn):
+    """Migration 0016: a shard's lease is its leased task row (a unique index over the
+    leased rows), taken by a claim under a transaction-scoped try-lock per shard and
+    released by the row leaving 'leased' (nothing written for it)."""
+    queue.enqueue("b", "acme", [*tasks(3, shard="s"), TaskSpec("x", {}, shard_key="t")])
+    queue.enqueue("c", "other", tasks(1, shard="s", prefix="c"))
+    with psycopg.connect(dsn, row_factory=dict_row) as other:
+        # another claim in progress is taking shard t: this claim skips it, never waits
+        assert other.execute("SELECT jobrunner_shard_take('acme', 't') AS got"
+                             ).fetchone()["got"] is True
+        first = queue.claim("b", W1, limit=4)
+        assert [lease.shard_key for lease in first] == ["s"]  # one task per shard, t skipped
+        other.rollback()
+    (t_lease,) = queue.claim("b", W1, limit=4)
+    assert t_lease.key == "x"
+    assert queue.claim("b", W2, limit=4) == []  # s and t are both held
+    # a shard is a tenant's: the other tenant's shard s is free
+    assert [lease.key for lease in queue.claim("c", W2)] == ["c0"]
+    # the unique index refuses a second leased task of a shard, whoever writes it
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        conn.execute("UPDATE agent_work_queue SET status = 'leased'"
+                     " WHERE batch_id = 'b' AND shard_key = 's' AND status = 'pending'")
+    conn.rollback()
+    assert queue.ack(W1, first[0], None)
+    (nxt,) = queue.claim("b", W2, limit=4)
+    assert nxt.shard_key == "s" and nxt.id != first[0].id
+    assert conn.execute("SELECT count(*) AS n FROM agent_shard_lease").fetchone()["n"] == 0
 
 
 def test_cancel_moves_pending_only(queue: Queue, conn):
