@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{info['ref']}  {info['manifest']}\n"
           f"compressed size {info['compressed_bytes'] / 1e6:.1f} MB, "
+          f"unpacked {info['unpacked_bytes'] / 1e6:.1f} MB, "
           f"user {info['user']}, entrypoint {info['entrypoint']}")
     for size, step in info["layers"]:
         print(f"  {size / 1e6:8.1f} MB  {step[:110]}")

@@ -449,6 +449,18 @@ state = '{RUN_DIR / "containerd"}'
                     pass
         return n
 
+    _UNITS = {"B": 1, "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3}
+
+    def _unpacked_bytes(self, ref: str) -> int:
+        """Disk used by the image's unpacked snapshots (what `docker image ls` shows)."""
+        out = self.ctr("images", "usage", "--snapshotter", "overlayfs", ref).stdout
+        total = 0.0
+        for line in out.splitlines()[1:]:
+            parts = line.split()
+            if len(parts) >= 3 and parts[2] in self._UNITS:
+                total += float(parts[1]) * self._UNITS[parts[2]]
+        return int(total)
+
     def image_info(self, ref: str) -> dict:
         """Size and layers of an image in the node's store (what `docker image ls` shows)."""
         r = self.ctr("images", "list", f"name=={ref}")
@@ -465,6 +477,7 @@ state = '{RUN_DIR / "containerd"}'
         history = [h.get("created_by", "") for h in config.get("history", [])
                    if not h.get("empty_layer")]
         return {"ref": ref, "manifest": digest, "compressed_bytes": sum(layers),
+                "unpacked_bytes": self._unpacked_bytes(ref),
                 "layers": list(zip(layers, history, strict=False)),
                 "user": config.get("config", {}).get("User"),
                 "entrypoint": config.get("config", {}).get("Entrypoint")}
