@@ -170,5 +170,5 @@ def test_priority_without_a_pool_is_refused():
     obj = copy.deepcopy(RUN)
     del obj["spec"]["pool"]
     obj["spec"]["priority"] = 1
-    with pytest.raises(BadInput, match="spec.priority applies to a run in a pool"):
+    with pytest.raises(BadInput, match=r"spec\.priority applies to a run in a pool"):
         parse_batchrun(obj)
