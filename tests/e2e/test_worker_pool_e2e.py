@@ -189,8 +189,9 @@ def _run(k8s, ns: str, dsn: str, controller: Controller, capsys) -> None:
     assert set(effects) == expected and set(effects.values()) == {1}, effects
     assert overlaps == 0
     assert wrong_rows == 0
-    # pod names are <deployment>-<replicaset hash>-<suffix>: both ReplicaSets ran tasks
-    replica_sets = {w.rsplit("-", 2)[-2] for w in workers}
+    # worker ids are <pod>-<6 hex>, pods <deployment>-<ReplicaSet hash>-<suffix>: the
+    # ReplicaSets before and after the restart both ran tasks
+    replica_sets = {w.rsplit("-", 3)[-3] for w in workers}
     assert len(replica_sets) >= 2, workers
 
     timeline = " ".join(f"{t:.0f}s:{r}" for i, (t, r, _) in enumerate(sampler.samples)
