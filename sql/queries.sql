@@ -1290,3 +1290,14 @@ FROM agent_batch b
 LEFT JOIN agent_work_queue g ON g.batch_id = b.batch_id AND g.task_key = '__generate__'
 WHERE b.batch_id = %(batch_id)s;
 
+
+-- name: batch_set_handler
+-- A pool batch's handler, set by its first enqueue that names one (pool_handlers.py);
+-- returns the handler it has, so a different one is refused.
+UPDATE agent_batch SET handler = coalesce(handler, %(handler)s)
+WHERE batch_id = %(batch_id)s
+RETURNING handler;
+
+-- name: batch_handler
+-- The handler a pool worker runs a batch's tasks with (cached per batch by the worker).
+SELECT handler FROM agent_batch WHERE batch_id = %(batch_id)s;

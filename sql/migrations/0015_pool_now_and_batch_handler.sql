@@ -1,3 +1,5 @@
+-- Two changes for worker pools on Kubernetes (issue 18).
+--
 -- The pool's virtual time now, read at the moment the pool's lock is held rather than at
 -- the start of the enqueue's transaction (issue 18, found by the WorkerPool e2e test).
 --
@@ -18,3 +20,9 @@ LANGUAGE sql VOLATILE AS $$
         (SELECT p.vclock FROM agent_pool p WHERE p.pool = p_pool),
         0)
 $$;
+
+-- Several handlers per pool (a WorkerPool's spec.handlers): a pool batch records the
+-- handler its tasks run with, set at its first enqueue that names one and never changed;
+-- a pool worker serving several handlers runs each task with its batch's (NULL: the
+-- worker's only handler; jobrunner/pool_handlers.py).
+ALTER TABLE agent_batch ADD COLUMN handler text;
