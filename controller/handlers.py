@@ -347,11 +347,11 @@ def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str, tasks: Any,
     if tasks is None:
         queue.batch(batch_id)  # source: external, the tasks must already be there
         if pool is not None:
-            pool_runs.check_external_batch(queue, batch_id, pool)
+            pool_runs.check_external_batch(queue, batch_id, pool, run.handler or "")
         reduce_step.attach(queue.conn, batch_id, run.reduce)
         total = sum(queue.counts(batch_id).values())
         return f"batch {batch_id}: {total} task(s) enqueued externally{into}{reduce}"
-    options = ({"pool": pool, "priority": run.priority} if pool
+    options = ({"pool": pool, "priority": run.priority, "handler": run.handler} if pool
                else flowcontrol.enqueue_options(run))
     result = queue.enqueue(batch_id, run.tenant, tasks, max_attempts=run.max_attempts,
                            reduce=run.reduce.as_json() if run.reduce else None, **options)

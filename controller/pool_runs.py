@@ -2,7 +2,8 @@
 
 - Admission (before the first enqueue): the WorkerPool must exist (else the run waits,
   phase Pending, reason WaitingForPool: GitOps applies in any order), serve the run's
-  handler (else Failed, HandlerNotServed, nothing enqueued) and use the same database
+  handler among its spec.handlers (else Failed, HandlerNotServed, nothing enqueued; the
+  handler is recorded on the batch, so its tasks run with it) and use the same database
   Secret (else Failed, DatabaseMismatch: the tasks would land where its workers never
   look). Checked once: a run already enqueued keeps its tasks in the pool whatever
   happens to the WorkerPool later.
@@ -59,10 +60,11 @@ def admit(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, run: BatchRunS
         if not previous or previous.get("reason") != "WaitingForPool":
             kopf.event(body, type="Normal", reason="WaitingForPool", message=message)
         raise kopf.TemporaryError(message, delay=5)
-    if pool.handler != run.handler:
+    if run.handler not in pool.handlers:
         _refuse(body, st, patch, conditions, new, generation, "HandlerNotServed",
-                f"WorkerPool {run.pool} serves handler {pool.handler}, not {run.handler}: "
-                "nothing was enqueued; name a pool that serves it, or run without spec.pool")
+                f"WorkerPool {run.pool} does not serve handler {run.handler} (it serves "
+                f"{', '.join(pool.handlers)}): nothing was enqueued; add it to the pool's "
+                "spec.handlers, name a pool that serves it, or run without spec.pool")
     if pool.db_secret() != db_secret:
         _refuse(body, st, patch, conditions, new, generation, "DatabaseMismatch",
                 f"WorkerPool {run.pool} reads the database of Secret {pool.db_secret()[0]} "
@@ -87,13 +89,16 @@ def _refuse(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
     raise kopf.PermanentError(message)
 
 
-def check_external_batch(queue: Any, batch_id: str, pool: str) -> None:
-    """source: external in a pool: the tasks must have been enqueued into that pool."""
+def check_external_batch(queue: Any, batch_id: str, pool: str, handler: str) -> None:
+    """source: external in a pool: the tasks must have been enqueued into that pool; the
+    batch runs with the run's handler (recorded now if the enqueue named none)."""
     found = pools.batch_pool(queue.conn, batch_id)
     if found != pool:
         raise BadInput(f"batch {batch_id} is " + (f"in pool {found}" if found else "in no pool")
                        + f", not {pool}: enqueue its tasks with `jobrunner enqueue --pool "
                        f"{pool}` (a batch's pool is set at its first enqueue)")
+    with queue.conn.transaction():
+        pools.set_batch_handler(queue.conn, batch_id, handler)
 
 
 def enforce_deadline(queue: Any, run: BatchRunSpec, st: dict[str, Any], batch_id: str) -> bool:

@@ -51,7 +51,7 @@ WORK_COUNT_CAP = 100_000
 class WorkerPoolSpec:
     name: str
     namespace: str
-    handler: str
+    handlers: tuple[str, ...]
     max_replicas: int
     min_replicas: int = 0
     concurrency: int = 1
@@ -75,7 +75,7 @@ class WorkerPoolSpec:
                 "--heartbeat", f"{self.heartbeat:g}",
                 "--backoff-base", f"{self.backoff_base:g}",
                 "--backoff-cap", f"{self.backoff_cap:g}",
-                "--handler", self.handler]
+                *(arg for h in self.handlers for arg in ("--handler", h))]
 
     def db_secret(self) -> tuple[str, str]:
         return (self.database.get("secretName") or CONFIG.default_secret_name,
@@ -111,9 +111,16 @@ def parse_workerpool(obj: dict[str, Any]) -> WorkerPoolSpec:
                            f"got {value!r}")
         return float(value)
 
-    handler = spec.get("handler")
-    if not isinstance(handler, str) or ":" not in handler:
-        raise BadInput(f"{where}: spec.handler must look like 'package.module:function'")
+    handlers = spec.get("handlers")
+    if not isinstance(handlers, list) or not handlers or len(handlers) > 32:
+        raise BadInput(f"{where}: spec.handlers must be a list of 1 to 32 handlers "
+                       "(package.module:function)")
+    for i, handler in enumerate(handlers):
+        if not isinstance(handler, str) or ":" not in handler:
+            raise BadInput(f"{where}: spec.handlers[{i}] must look like "
+                           f"'package.module:function', got {handler!r}")
+    if len(set(handlers)) != len(handlers):
+        raise BadInput(f"{where}: spec.handlers names a handler twice")
     max_replicas = integer("maxReplicas", None, 1, 1000)
     min_replicas = integer("minReplicas", 0, 0, 1000)
     if min_replicas > max_replicas:
@@ -131,7 +138,7 @@ def parse_workerpool(obj: dict[str, Any]) -> WorkerPoolSpec:
                        "spec.backoffBaseSeconds")
     database = dict(spec.get("database") or {})
     return WorkerPoolSpec(
-        name=name, namespace=ns, handler=handler, max_replicas=max_replicas,
+        name=name, namespace=ns, handlers=tuple(handlers), max_replicas=max_replicas,
         min_replicas=min_replicas, concurrency=concurrency,
         batch_size=integer("batchSize", 1, 1, 1000), visibility_timeout=vis,
         heartbeat=heartbeat, backoff_base=base, backoff_cap=cap,
@@ -337,8 +344,8 @@ def _create_deployment(body: kopf.Body, pool: WorkerPoolSpec, replicas: int) -> 
         _event(body, "Warning", "DeploymentRejected", message)
         raise kopf.TemporaryError(message, delay=30) from None
     _event(body, "Normal", "DeploymentCreated",
-           f"Deployment {name}: {replicas} replica(s), pool {pool.queue_pool}, handler "
-           f"{pool.handler}")
+           f"Deployment {name}: {replicas} replica(s), pool {pool.queue_pool}, handler(s) "
+           f"{', '.join(pool.handlers)}")
     return deploy
 
 

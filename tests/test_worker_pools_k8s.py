@@ -5,6 +5,7 @@ BatchRun's spec.pool rules. On a real cluster: tests/e2e/test_worker_pool_e2e.py
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from jobrunner.manifest import parse_batchrun
 REPO = Path(__file__).resolve().parent.parent
 POOL = {"apiVersion": "jobrunner.dev/v1alpha1", "kind": "WorkerPool",
         "metadata": {"name": "graders", "namespace": "team-a"},
-        "spec": {"handler": "mod:fn", "maxReplicas": 3}}
+        "spec": {"handlers": ["mod:fn"], "maxReplicas": 3}}
 RUN = {"apiVersion": "jobrunner.dev/v1alpha1", "kind": "BatchRun",
        "metadata": {"name": "nightly", "namespace": "team-a"},
        "spec": {"tenant": "acme", "handler": "mod:fn", "shardRange": {"count": 3},
@@ -47,7 +48,9 @@ def test_defaults_and_the_queue_pool_is_namespace_qualified():
 
 
 @pytest.mark.parametrize(("spec", "message"), [
-    ({"handler": "no-colon"}, "spec.handler must look like"),
+    ({"handlers": ["mod:fn", "no-colon"]}, "spec.handlers[1] must look like"),
+    ({"handlers": []}, "spec.handlers must be a list of 1 to 32"),
+    ({"handlers": ["mod:fn", "mod:fn"]}, "names a handler twice"),
     ({"maxReplicas": 0}, "spec.maxReplicas must be an integer between 1 and 1000"),
     ({"minReplicas": 4}, "spec.minReplicas must be at most spec.maxReplicas"),
     ({"visibilityTimeoutSeconds": 10, "heartbeatSeconds": 5}, "less than half"),
@@ -55,14 +58,15 @@ def test_defaults_and_the_queue_pool_is_namespace_qualified():
     ({"template": {"volumeMounts": [{"name": "x", "mountPath": "/x"}]}}, "is not a volume"),
 ])
 def test_bad_pool_specs_are_refused_with_the_field(spec, message):
-    with pytest.raises(BadInput, match=message.replace("(", r"\(")):
+    with pytest.raises(BadInput, match=re.escape(message)):
         pool_with(**spec)
 
 
 def test_the_deployment_runs_the_jobs_worker_pod_with_pool_arguments():
     template = {"securityContext": {"runAsUser": 1000}, "env": [{"name": "A", "value": "1"}],
                 "labels": {"team": "a", "jobrunner.dev/workerpool": "hijack"}}
-    pool = pool_with(template=template, concurrency=2, batchSize=5)
+    pool = pool_with(template=template, concurrency=2, batchSize=5,
+                     handlers=["mod:fn", "other.mod:g"])
     deploy = build_deployment(pool, replicas=2)
     assert deploy["metadata"]["name"] == deployment_name("graders") == "graders-workers"
     assert deploy["spec"]["replicas"] == 2
@@ -75,7 +79,8 @@ def test_the_deployment_runs_the_jobs_worker_pod_with_pool_arguments():
     cmd = worker["command"]
     assert cmd[:4] == ["jobrunner", "worker", "--pool", "team-a/graders"]
     assert "--exit-when-drained" not in cmd and "--batch" not in cmd
-    assert cmd[cmd.index("--handler") + 1] == "mod:fn"
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--handler"] == [
+        "mod:fn", "other.mod:g"]
     assert cmd[cmd.index("--concurrency") + 1] == "2"
     assert cmd[cmd.index("--batch-size") + 1] == "5"
     # SIGTERM: the worker's grace fits in the pod's, so leases are released before SIGKILL

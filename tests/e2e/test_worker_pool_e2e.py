@@ -1,6 +1,7 @@
 """Worker pools on the real cluster (issue 18): a WorkerPool (minReplicas 0, maxReplicas 3)
-serves three BatchRuns of two tenants; all succeed; its Deployment scales up with the work
-and back to zero after the stabilization window; `kubectl rollout restart` in the middle
+with two handlers serves three BatchRuns of two tenants; all succeed (each run's tasks
+with its handler); its Deployment scales up with the work and back to zero after the
+stabilization window; `kubectl rollout restart` in the middle
 loses nothing (every task's effect exactly once, no task on two workers at once); a run
 whose handler the pool does not serve fails with HandlerNotServed and enqueues nothing.
 
@@ -35,8 +36,10 @@ from .operator_support import (
 FAST = {"visibilityTimeoutSeconds": 6, "heartbeatSeconds": 2, "backoffBaseSeconds": 0.2,
         "backoffCapSeconds": 1}
 HANDLER = "tests.support.handlers:with_effect"
+OTHER = "tests.support.handlers:record"  # the pool's second handler: grade-b1's
 TASKS, SLEEP = 16, 1.5
 RUNS = {"grade-a1": "tenant-a", "grade-a2": "tenant-a", "grade-b1": "tenant-b"}
+HANDLER_OF = {"grade-a1": HANDLER, "grade-a2": HANDLER, "grade-b1": OTHER}
 WINDOW = 8
 
 
@@ -90,7 +93,8 @@ def _run(k8s, ns: str, dsn: str, controller: Controller, capsys) -> None:
     shards = {name: [{"key": f"{name}-{i}", "payload": {"sleep": SLEEP}} for i in range(TASKS)]
               for name in RUNS}
     first = next(iter(RUNS))
-    apply(k8s, ns, batchrun(first, {"tenant": RUNS[first], "handler": HANDLER, "pool": "graders",
+    apply(k8s, ns, batchrun(first, {"tenant": RUNS[first], "handler": HANDLER_OF[first],
+                                    "pool": "graders",
                                     "shards": shards[first], "maxAttempts": 3},
                                     test_handlers=False))
     br = wait_phase(k8s, first, ns, ("Pending",), timeout=60, controller=controller)
@@ -101,14 +105,14 @@ def _run(k8s, ns: str, dsn: str, controller: Controller, capsys) -> None:
     sampler = Sampler(k8s, ns, deploy_name)
     sampler.start()
     apply(k8s, ns, workerpool("graders", {
-        "handler": HANDLER, "minReplicas": 0, "maxReplicas": 3, "concurrency": 2,
+        "handlers": [HANDLER, OTHER], "minReplicas": 0, "maxReplicas": 3, "concurrency": 2,
         "targetTasksPerReplica": 4, "scaleDownStabilizationWindowSeconds": WINDOW, **FAST}))
     # the handler it does not serve: refused, nothing enqueued
     apply(k8s, ns, batchrun("wrong-handler", {
-        "tenant": "tenant-b", "handler": "tests.support.handlers:record", "pool": "graders",
+        "tenant": "tenant-b", "handler": "tests.support.handlers:noop", "pool": "graders",
         "shards": [{"key": "w-0"}]}, test_handlers=False))
     for name in list(RUNS)[1:]:
-        apply(k8s, ns, batchrun(name, {"tenant": RUNS[name], "handler": HANDLER,
+        apply(k8s, ns, batchrun(name, {"tenant": RUNS[name], "handler": HANDLER_OF[name],
                                        "pool": "graders", "shards": shards[name],
                                        "priority": 0, "maxAttempts": 3},
                                        test_handlers=False))
@@ -116,7 +120,8 @@ def _run(k8s, ns: str, dsn: str, controller: Controller, capsys) -> None:
     wrong = wait_phase(k8s, "wrong-handler", ns, ("Failed",), timeout=60, controller=controller)
     failed = next(c for c in wrong["status"]["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "HandlerNotServed", failed
-    assert "serves handler tests.support.handlers:with_effect" in failed["message"]
+    assert ("does not serve handler tests.support.handlers:noop (it serves "
+            f"{HANDLER}, {OTHER})") in failed["message"], failed
     assert not (wrong["status"].get("counts") or {}).get("total")
     assert any(e["reason"] == "HandlerNotServed" and e["type"] == "Warning"
                for e in events_of(k8s, ns))
@@ -181,12 +186,17 @@ def _run(k8s, ns: str, dsn: str, controller: Controller, capsys) -> None:
             " AND a.ctid < b.ctid AND a.started_at < coalesce(b.ended_at, 'infinity')"
             " AND b.started_at < coalesce(a.ended_at, 'infinity')").fetchone()[0]
         workers = {w for (w,) in conn.execute("SELECT DISTINCT worker FROM exec_log")}
+        ran_keys = {k for (k,) in conn.execute("SELECT DISTINCT task_key FROM exec_log")}
         reruns = conn.execute("SELECT count(*) - count(DISTINCT task_id) FROM exec_log"
                               ).fetchone()[0]
         wrong_rows = conn.execute("SELECT count(*) FROM agent_work_queue WHERE task_key = 'w-0'"
                                   ).fetchone()[0]
-    expected = {s["key"] for rs in shards.values() for s in rs}
+    # each run's tasks ran with its own handler (only with_effect writes effects), its
+    # effect exactly once; every task ran (exec_log), none on two workers at once
+    expected = {s["key"] for name, rs in shards.items() for s in rs
+                if HANDLER_OF[name] == HANDLER}
     assert set(effects) == expected and set(effects.values()) == {1}, effects
+    assert ran_keys == {s["key"] for rs in shards.values() for s in rs}
     assert overlaps == 0
     assert wrong_rows == 0
     # worker ids are <pod>-<6 hex>, pods <deployment>-<ReplicaSet hash>-<suffix>: the
@@ -196,9 +206,10 @@ def _run(k8s, ns: str, dsn: str, controller: Controller, capsys) -> None:
 
     timeline = " ".join(f"{t:.0f}s:{r}" for i, (t, r, _) in enumerate(sampler.samples)
                         if i == 0 or sampler.samples[i - 1][1] != r)
-    show(capsys, f"worker pool: {total} tasks of 3 runs (2 tenants), replicas over time "
-                 f"{timeline}; rollout restart at {restarted_at:.0f}s, {len(workers)} worker "
-                 f"pods of {len(replica_sets)} ReplicaSets, {reruns} re-run(s) after release, "
+    show(capsys, f"worker pool: {total} tasks of 3 runs (2 tenants, 2 handlers), replicas "
+                 f"over time {timeline}; rollout restart at {restarted_at:.0f}s, "
+                 f"{len(workers)} worker pods of {len(replica_sets)} ReplicaSets, "
+                 f"{reruns} re-run(s) after release, "
                  f"0 duplicate effects, 0 overlaps; all Succeeded at {succeeded_at:.0f}s, "
                  f"zero replicas {scale_down:.1f}s later (window {WINDOW}s)")
     out = os.environ.get("WORKER_POOL_TRANSCRIPT")
