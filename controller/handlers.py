@@ -173,9 +173,9 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
 
     pool_name = None
     if run.pool is not None:
+        new["pool"] = pool_runs.queue_pool(ns, run.pool)
         pool_name = pool_runs.admit(body, st, patch, run, conditions, milestones, new,
                                     generation, (secret, key))
-        new["pool"] = pool_name
     deadline_hit = False
     try:
         dsn = read_dsn(ns, secret, key)
