@@ -177,3 +177,27 @@ def test_priority_without_a_pool_is_refused():
     obj["spec"]["priority"] = 1
     with pytest.raises(BadInput, match=r"spec\.priority applies to a run in a pool"):
         parse_batchrun(obj)
+
+
+def _counts(**kw: int) -> dict[str, int]:
+    counts = {"pending": 0, "leased": 0, "done": 0, "dead": 0, "cancelled": 0, **kw}
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def test_a_pool_runs_phase_comes_from_the_queue_alone():
+    from controller.handlers import _phase_of
+    from controller.pool_runs import phase
+
+    run = run_with()
+
+    def of(counts: dict[str, int], deadline_hit: bool = False) -> tuple[str, str, str]:
+        return phase(run, counts, "b", None, deadline_hit, "team-a/graders", _phase_of)
+
+    p, reason, message = of(_counts(pending=2, leased=1, done=3))
+    assert (p, reason) == ("Running", "Running") and message.endswith("in pool team-a/graders")
+    assert of(_counts(done=6))[:2] == ("Succeeded", "AllTasksDone")
+    assert of(_counts(done=5, dead=1))[:2] == ("Failed", "DeadTasks")
+    assert of(_counts(done=2, cancelled=4))[:2] == ("Cancelled", "Cancelled")
+    p, reason, message = of(_counts(done=2, cancelled=4), deadline_hit=True)
+    assert (p, reason) == ("Failed", "DeadlineExceeded") and "pending tasks cancelled" in message
