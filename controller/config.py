@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 GROUP, VERSION, PLURAL = "jobrunner.dev", "v1alpha1", "batchruns"
+POOL_PLURAL = "workerpools"
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,8 @@ class Config:
     delete_retries: int
     worker_service_account: str | None
     worker_host_network: bool = False
+    # How often each WorkerPool's queue depth is read and its Deployment scaled.
+    pool_scale_seconds: float = 10.0
 
     @classmethod
     def from_env(cls) -> Config:
@@ -32,6 +35,7 @@ class Config:
             worker_service_account=env.get("JOBRUNNER_WORKER_SERVICE_ACCOUNT") or None,
             worker_host_network=env.get("JOBRUNNER_WORKER_HOST_NETWORK", "").lower()
             in ("1", "true", "yes"),
+            pool_scale_seconds=float(env.get("JOBRUNNER_POOL_SCALE_SECONDS", "10")),
         )
 
 

@@ -21,7 +21,7 @@ from jobrunner.manifest import BatchRunSpec, parse_batchrun
 from jobrunner.redact import redact_text
 from jobrunner.results import top_errors_status
 
-from . import flowcontrol, metrics, pods
+from . import flowcontrol, metrics, pods, pool_runs
 from .conditions import get_condition, now_iso, set_condition
 from .config import CONFIG, GROUP, PLURAL, VERSION
 from .database import DatabaseProblem, queue_for, read_dsn
@@ -171,13 +171,19 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
     if run.config_map is not None and not milestones.get("enqueued"):
         tasks = _read_config_map(body, st, patch, run, conditions, milestones, new, generation)
 
+    pool_name = None
+    if run.pool is not None:
+        new["pool"] = pool_runs.queue_pool(ns, run.pool)
+        pool_name = pool_runs.admit(body, st, patch, run, conditions, milestones, new,
+                                    generation, (secret, key))
+    deadline_hit = False
     try:
         dsn = read_dsn(ns, secret, key)
         with queue_for(dsn) as queue:
             if not milestones.get("enqueued"):
                 try:
                     flowcontrol.check_limits(queue, run)
-                    message = _enqueue(queue, run, batch_id, tasks)
+                    message = _enqueue(queue, run, batch_id, tasks, pool_name)
                 except BadInput as exc:
                     _refuse(body, st, patch, conditions, new, exc, generation)
                 milestones["enqueued"] = True
@@ -185,6 +191,8 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
                                            generation)
                 _event(body, "Normal", "Enqueued", message=message)
             queue.expire()  # rescue leases of dead pods even if no worker is left alive
+            if pool_name is not None:
+                deadline_hit = pool_runs.enforce_deadline(queue, run, st, batch_id)
             # The reduce, if the batch settled and no worker enqueued it yet (the trigger
             # is idempotent: any number of callers enqueue it once).
             reduce = reduce_step.trigger(queue.conn, batch_id)
@@ -212,6 +220,18 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
         raise kopf.TemporaryError(message, delay=10) from None
 
     counts["total"] = sum(counts[s] for s in ("pending", "leased", "done", "dead", "cancelled"))
+    if pool_name is not None:
+        # No Job: the pool's Deployment runs the workers; the phase comes from the queue.
+        new["activeDeadlineSeconds"] = run.effective_deadline()
+        new["activeDeadlineSource"] = ("spec" if run.active_deadline is not None
+                                       else "default: max(1 day, 3 x visibilityTimeoutSeconds"
+                                            " + 60)")
+        new["startTime"] = st.get("startTime") or now_iso()
+        phase, reason, message = pool_runs.phase(run, counts, batch_id, reduce, deadline_hit,
+                                                 pool_name, _phase_of)
+        _finish(body, st, patch, new, conditions, milestones, phase, reason, message, counts,
+                generation, flow)
+        return
     job = _ensure_job(body, run, st, batch_id, secret, key)
     new["jobName"] = job.metadata.name
     new["activeDeadlineSeconds"] = job.spec.active_deadline_seconds
@@ -231,6 +251,17 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
                        "retry with a new BatchRun with source: {external: {}} and batchId "
                        f"{batch_id}")
             _stop_job(job)
+    _finish(body, st, patch, new, conditions, milestones, phase, reason, message, counts,
+            generation, flow)
+
+
+def _finish(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, new: dict[str, Any],
+            conditions: list[dict[str, Any]], milestones: dict[str, Any], phase: str,
+            reason: str, message: str, counts: dict[str, int], generation: int,
+            flow: Any) -> None:
+    """The phase's conditions, Events, status and metrics: the same for a run on its own
+    Job and a run in a WorkerPool."""
+    ns, name = body.metadata.namespace, body.metadata.name
     phase, reason, message = flowcontrol.budget_phase(phase, reason, message, flow, counts,
                                                       name)
     conditions, budget_event = flowcontrol.budget_condition(conditions, phase, message, flow,
@@ -302,7 +333,8 @@ def _read_config_map(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
         raise kopf.TemporaryError(message, delay=5) from None
 
 
-def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str, tasks: Any) -> str:
+def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str, tasks: Any,
+             pool: str | None = None) -> str:
     reduce = f"; reduce: {run.reduce.describe()}" if run.reduce else ""
     limits = f"; limits: {', '.join(run.limits)}" if run.limits else ""
     if run.generator is not None:
@@ -311,15 +343,19 @@ def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str, tasks: Any) -> str:
         return (f"batch {batch_id}: generator {run.generator.describe()} "
                 + ("enqueued: its tasks are enqueued as it runs" if new
                    else "was enqueued before") + reduce + limits)
+    into = f" into pool {pool} (priority {run.priority})" if pool else ""
     if tasks is None:
         queue.batch(batch_id)  # source: external, the tasks must already be there
+        if pool is not None:
+            pool_runs.check_external_batch(queue, batch_id, pool, run.handler or "")
         reduce_step.attach(queue.conn, batch_id, run.reduce)
         total = sum(queue.counts(batch_id).values())
-        return f"batch {batch_id}: {total} task(s) enqueued externally{reduce}"
+        return f"batch {batch_id}: {total} task(s) enqueued externally{into}{reduce}"
+    options = ({"pool": pool, "priority": run.priority, "handler": run.handler} if pool
+               else flowcontrol.enqueue_options(run))
     result = queue.enqueue(batch_id, run.tenant, tasks, max_attempts=run.max_attempts,
-                           reduce=run.reduce.as_json() if run.reduce else None,
-                           **flowcontrol.enqueue_options(run))
-    return (f"batch {batch_id}: {result.new} task(s) enqueued"
+                           reduce=run.reduce.as_json() if run.reduce else None, **options)
+    return (f"batch {batch_id}: {result.new} task(s) enqueued{into}"
             + (f", {result.existing} already there" if result.existing else "") + reduce
             + limits)
 
@@ -512,9 +548,17 @@ def _job_finished(job: Any) -> tuple[str, str, str] | None:
 def _phase(run: BatchRunSpec, job: Any, counts: dict[str, int], batch_id: str,
            reduce: reduce_step.ReduceState | None = None,
            gen: generators.GeneratorState | None = None) -> tuple[str, str, str]:
+    return _phase_of(run, _job_finished(job), counts, batch_id, reduce, gen)
+
+
+def _phase_of(run: BatchRunSpec, finished: tuple[str, str, str] | None,
+              counts: dict[str, int], batch_id: str,
+              reduce: reduce_step.ReduceState | None = None,
+              gen: generators.GeneratorState | None = None) -> tuple[str, str, str]:
+    """The phase from how the workers ended (a Job's condition, or for a run in a pool
+    the queue having nothing left for it) and the queue's counts."""
     summary = (f"{counts['done']}/{counts['total']} done, {counts['dead']} dead, "
                f"{counts['leased']} running, {counts['pending']} pending")
-    finished = _job_finished(job)
     unfinished = counts["pending"] + counts["leased"]
     reducing = reduce is not None and reduce.configured
     if finished and finished[0] == "Failed":

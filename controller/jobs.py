@@ -1,4 +1,5 @@
-"""The Kubernetes Job a BatchRun runs on: built from the spec, named deterministically."""
+"""The Kubernetes Job a BatchRun runs on: built from the spec, named deterministically.
+The worker pod itself (worker_pod_template) is shared with a WorkerPool's Deployment."""
 
 from __future__ import annotations
 
@@ -65,24 +66,60 @@ def merge_over(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dic
 
 def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
               secret_name: str, secret_key: str) -> dict[str, Any]:
-    # A copy: the Job must not share nested objects with the parsed spec.
-    template = copy.deepcopy(dict(run.template))
-    pod_grace = template.get("terminationGracePeriodSeconds") or POD_GRACE_SECONDS
-    env = [
+    pod_grace = pod_grace_seconds(run.template)
+    labels = {"app.kubernetes.io/name": "jobrunner-worker",
+              "app.kubernetes.io/managed-by": "jobrunner",
+              "jobrunner.dev/batchrun": run.name[:63].rstrip("-.")}
+    template = worker_pod_template(
+        run.template,
+        command=["jobrunner", "worker", "--batch", batch_id, "--exit-when-drained",
+                 "--log-format", "json", "--grace-period", str(worker_grace(pod_grace)),
+                 *run.worker_args()],
+        env=[{"name": "JOBRUNNER_BATCH_ID", "value": batch_id}],
+        secret_name=secret_name, secret_key=secret_key, labels=labels,
+        restart_policy="Never")
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "parallelism": run.workers,
+            # No completions: the work-queue pattern. Pods exit 0 once the batch is drained.
+            "activeDeadlineSeconds": run.effective_deadline(),
+            "backoffLimit": backoff_limit(run.workers),
+            "suspend": run.suspend,
+            "template": template,
+        },
+    }
+
+
+def pod_grace_seconds(template: Mapping[str, Any]) -> int:
+    return int(template.get("terminationGracePeriodSeconds") or POD_GRACE_SECONDS)
+
+
+def worker_pod_template(spec_template: Mapping[str, Any], *, command: list[str],
+                        env: list[dict[str, Any]], secret_name: str, secret_key: str,
+                        labels: Mapping[str, str], restart_policy: str) -> dict[str, Any]:
+    """The worker pod of a Job (a BatchRun's) or a Deployment (a WorkerPool's): the
+    jobrunner container, /tmp, hardened defaults, with spec.template applied over them.
+    One function, so that both kinds of workers get the same defaults and the same
+    template semantics (docs/operator.md, "Worker pods")."""
+    # A copy: the pod must not share nested objects with the parsed spec.
+    template = copy.deepcopy(dict(spec_template))
+    pod_grace = pod_grace_seconds(template)
+    container_env = [
         {"name": "JOBRUNNER_DATABASE_URL",
          "valueFrom": {"secretKeyRef": {"name": secret_name, "key": secret_key}}},
         {"name": "JOBRUNNER_WORKER_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "JOBRUNNER_BATCH_ID", "value": batch_id},
+        *env,
         *template.get("env", []),
     ]
     container: dict[str, Any] = {
         "name": WORKER_CONTAINER,
         "image": template.get("image") or CONFIG.worker_image,
         "imagePullPolicy": template.get("imagePullPolicy") or CONFIG.image_pull_policy,
-        "command": ["jobrunner", "worker", "--batch", batch_id, "--exit-when-drained",
-                    "--log-format", "json", "--grace-period", str(worker_grace(pod_grace)),
-                    *run.worker_args()],
-        "env": env,
+        "command": command,
+        "env": container_env,
         "securityContext": merge_over(WORKER_SECURITY_CONTEXT,
                                       template.get("containerSecurityContext") or {}),
         # The root filesystem is read-only; command handlers and Python get a scratch /tmp.
@@ -92,16 +129,13 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
     for key in ("envFrom", "resources"):
         if template.get(key):
             container[key] = template[key]
-    labels = {"app.kubernetes.io/name": "jobrunner-worker",
-              "app.kubernetes.io/managed-by": "jobrunner",
-              "jobrunner.dev/batchrun": run.name[:63].rstrip("-.")}
     # A user volume named tmp replaces the default emptyDir (a size limit, a memory
     # medium, an ephemeral PVC); the worker's mount on /tmp stays either way.
     volumes = template.get("volumes", [])
     if not any(v.get("name") == TMP_VOLUME for v in volumes):
         volumes = [{"name": TMP_VOLUME, "emptyDir": {}}, *volumes]
     pod_spec: dict[str, Any] = {
-        "restartPolicy": "Never",
+        "restartPolicy": restart_policy,
         "containers": [container, *template.get("containers", [])],
         # Workers talk to PostgreSQL only: no Kubernetes API token in their pods.
         "automountServiceAccountToken": False,
@@ -127,23 +161,9 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
         pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"
     if template.get("dnsPolicy"):
         pod_spec["dnsPolicy"] = template["dnsPolicy"]
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
-        "spec": {
-            "parallelism": run.workers,
-            # No completions: the work-queue pattern. Pods exit 0 once the batch is drained.
-            "activeDeadlineSeconds": run.effective_deadline(),
-            "backoffLimit": backoff_limit(run.workers),
-            "suspend": run.suspend,
-            "template": {
-                "metadata": {"labels": {**labels, **template.get("labels", {})},
-                             "annotations": dict(template.get("annotations", {}))},
-                "spec": pod_spec,
-            },
-        },
-    }
+    return {"metadata": {"labels": {**labels, **template.get("labels", {})},
+                         "annotations": dict(template.get("annotations", {}))},
+            "spec": pod_spec}
 
 
 def api_error_detail(exc: Any) -> str:

@@ -36,3 +36,11 @@ def batch_api() -> client.BatchV1Api:
 
 def core_api() -> client.CoreV1Api:
     return client.CoreV1Api(api_client())
+
+
+def apps_api() -> client.AppsV1Api:
+    return client.AppsV1Api(api_client())
+
+
+def custom_api() -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(api_client())

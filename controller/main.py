@@ -17,8 +17,8 @@ class _QuietTimer(logging.Filter):
     """The status refresh succeeds every few seconds per run, and the schedules' watches
     (which only wake a schedule's daemon) on every change: not worth a log line."""
 
-    QUIET = ("Timer 'refresh' succeeded", "Handler 'schedule_changed' succeeded",
-             "Handler 'run_changed' succeeded")
+    QUIET = ("Timer 'refresh' succeeded", "Timer 'pool_scale' succeeded",
+             "Handler 'schedule_changed' succeeded", "Handler 'run_changed' succeeded")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno <= logging.INFO
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, args.log_format)
     logging.getLogger("kopf").setLevel(args.log_level.upper())
     logging.getLogger("kopf.objects").addFilter(_QuietTimer())
-    from . import handlers, schedules  # noqa: F401  (registers BatchRun's, BatchRunSchedule's)
+    # (importing registers the handlers of BatchRun, BatchRunSchedule and WorkerPool)
+    from . import handlers, schedules, workerpools  # noqa: F401
 
     metrics.serve(args.metrics_port)
     kopf.run(

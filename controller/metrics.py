@@ -1,7 +1,8 @@
 """Prometheus metrics of the controller.
 
 Label cardinality: per BatchRun (namespace, batchrun; removed when the BatchRun is
-deleted) and per limit (its name; limits are few, set by an operator with `jobrunner
+deleted), per WorkerPool (namespace, workerpool; removed when it is deleted) and per
+limit (its name; limits are few, set by an operator with `jobrunner
 limit set`). No label per task, per worker or per batch id.
 """
 
@@ -28,6 +29,15 @@ RUN_TOKENS = Gauge("jobrunner_batchrun_tokens",
 RUN_COST = Gauge("jobrunner_batchrun_cost",
                  "Cost a BatchRun's handlers reported (every attempt included), in the unit "
                  "they report", ["namespace", "batchrun"])
+POOL_TASKS = Gauge("jobrunner_workerpool_tasks",
+                   "A WorkerPool's queue depth: tasks pending and due (claimable), and "
+                   "leased (running), as its scaling timer last read them",
+                   ["namespace", "workerpool", "state"])
+POOL_DESIRED = Gauge("jobrunner_workerpool_desired_replicas",
+                     "Replicas the controller set on a WorkerPool's Deployment",
+                     ["namespace", "workerpool"])
+POOL_READY = Gauge("jobrunner_workerpool_ready_replicas",
+                   "Ready worker pods of a WorkerPool", ["namespace", "workerpool"])
 RECONCILE_ERRORS = Counter("jobrunner_reconcile_errors_total",
                            "Reconciles that failed, by reason", ["reason"])
 PHASES = ("Pending", "Running", "Reducing", "Succeeded", "Failed", "Cancelled", "Suspended",
@@ -51,6 +61,20 @@ def record_usage(namespace: str, name: str, tokens: int, cost: Decimal) -> None:
 
 def forget(namespace: str, name: str) -> None:
     for metric in (RUN_PHASE, TASKS, RUN_TOKENS, RUN_COST):
+        for key in [k for k in _keys(metric) if k[:2] == (namespace, name)]:
+            metric.remove(*key)
+
+
+def record_pool(namespace: str, name: str, pending: int, running: int, desired: int,
+                ready: int) -> None:
+    POOL_TASKS.labels(namespace, name, "pending").set(pending)
+    POOL_TASKS.labels(namespace, name, "running").set(running)
+    POOL_DESIRED.labels(namespace, name).set(desired)
+    POOL_READY.labels(namespace, name).set(ready)
+
+
+def forget_pool(namespace: str, name: str) -> None:
+    for metric in (POOL_TASKS, POOL_DESIRED, POOL_READY):
         for key in [k for k in _keys(metric) if k[:2] == (namespace, name)]:
             metric.remove(*key)
 

@@ -8,7 +8,7 @@ import os
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import psycopg
 import typer
@@ -82,6 +82,10 @@ def enqueue(
     priority: Annotated[int, typer.Option(
         "--priority", min=-3, max=3, help="Pool batches: weight multiplier 10^priority "
         "(set at the batch's first enqueue).")] = 0,
+    handler: Annotated[str | None, typer.Option(
+        "--handler", help="Pool batches: the handler (module:function) its tasks run with, "
+        "for pool workers that serve several (set at the batch's first enqueue that names "
+        "one).")] = None,
     dsn: DsnOpt = None,
 ) -> None:
     """Enqueue tasks: one JSON object per line, {"key", "shard_key"?, "payload", "max_attempts"?}.
@@ -106,7 +110,7 @@ def enqueue(
             raise BadInput(f"{file} is not UTF-8 text: {exc.reason}") from None
     q = _queue(dsn)
     result = q.enqueue(batch, tenant, tasks, max_attempts=max_attempts, pool=pool,
-                       priority=priority)
+                       priority=priority, handler=handler)
     out.print(f"{result.new} new, {result.existing} already existed (batch {batch})")
 
 
@@ -117,7 +121,9 @@ def worker(
     pool: Annotated[str | None, typer.Option(
         "--pool", help="Serve every open batch of this worker pool, fair across tenants "
         "(instead of --batch).")] = None,
-    handler: Annotated[str | None, typer.Option(help="Python handler, module:function.")] = None,
+    handler: Annotated[list[str] | None, typer.Option(
+        help="Python handler, module:function. With --pool, repeat it to serve several: "
+        "each task runs with its batch's handler (recorded at enqueue).")] = None,
     handler_cmd: Annotated[str | None, typer.Option(
         "--handler-cmd", help="Shell command handler: payload on stdin; exit 0 done, 75 retry.")
     ] = None,
@@ -167,8 +173,18 @@ def worker(
         from .pools import check_pool
         check_pool(pool)
     dsn_value = db.resolve_dsn(dsn)
+    handlers = list(dict.fromkeys(handler or []))
+    if len(handlers) > 1 and pool is None:
+        raise BadInput("several --handler options need --pool (a batch's workers run one)")
+    if pool is not None and handlers and not handler_cmd:
+        from .handlers import PythonHandler
+        from .pool_handlers import PoolHandlers
+
+        run_task: Any = PoolHandlers({h: PythonHandler(h) for h in handlers}, dsn_value)
+    else:
+        run_task = make_handler(handlers[0] if handlers else None, handler_cmd)
     config = WorkerConfig(
-        dsn=dsn_value, batch_id=batch, pool=pool, handler=make_handler(handler, handler_cmd),
+        dsn=dsn_value, batch_id=batch, pool=pool, handler=run_task,
         worker_id=default_worker_id(worker_id), concurrency=concurrency,
         batch_size=batch_size, visibility_timeout=visibility_timeout,
         heartbeat_interval=heartbeat, backoff_base=backoff_base, backoff_cap=backoff_cap,

@@ -39,6 +39,7 @@ SPEC_FIELDS = {
     "batchSize", "visibilityTimeoutSeconds", "heartbeatSeconds", "maxAttempts",
     "backoffBaseSeconds", "backoffCapSeconds", "activeDeadlineSeconds", "handler",
     "command", "template", "database", "suspend", "reduce", "limits", "tokens", "budget",
+    "pool", "priority",
 }
 BUDGET_FIELDS = {"tokens", "cost"}
 # spec.budget.cost: a decimal string (Kubernetes API conventions avoid floats in specs;
@@ -117,6 +118,9 @@ class BatchRunSpec:
     generator: GeneratorSpec | None = None
     # source.configMap (name, key): read by the controller when it enqueues
     config_map: tuple[str, str] | None = None
+    # spec.pool: a WorkerPool of the run's namespace serves it (no Job); docs/pools.md
+    pool: str | None = None
+    priority: int = 0
 
     def effective_deadline(self) -> int:
         """The Job's activeDeadlineSeconds: the user's, or a safe default that outlives any
@@ -270,6 +274,8 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest", *,
         # the generator's tasks take the run's defaults, like those of shards and files
         generator = replace(generator, limits=limits, tokens=tokens)
 
+    pool, priority = _pool(spec, where, generator=generator, command=command,
+                           suspend=suspend, flow=(limits, tokens, budget_tokens, budget_cost))
     return BatchRunSpec(
         name=name, namespace=meta.get("namespace") or "default", tenant=tenant,
         batch_id=batch_id, tasks=tasks,
@@ -283,7 +289,42 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest", *,
         template=template, database=database, suspend=suspend,
         reduce=parse_reduce(spec.get("reduce"), where, max_attempts),
         limits=limits, tokens=tokens, budget_tokens=budget_tokens, budget_cost=budget_cost,
-        generator=generator, config_map=config_map)
+        generator=generator, config_map=config_map, pool=pool, priority=priority)
+
+
+_POOL_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+def _pool(spec: Mapping[str, Any], where: str, *, generator: Any, command: Any, suspend: bool,
+          flow: tuple[Any, ...]) -> tuple[str | None, int]:
+    """spec.pool and spec.priority, with the CRD's rules: what a pool cannot serve yet is
+    refused here rather than enqueued where no worker would ever claim it."""
+    pool = spec.get("pool")
+    priority = _int(spec, "priority", 0, -3, 3, where)
+    assert priority is not None
+    if pool is None:
+        if "priority" in spec and priority != 0:
+            raise BadInput(f"{where}: spec.priority applies to a run in a pool: set spec.pool")
+        return None, 0
+    if not isinstance(pool, str) or len(pool) > 253 or not _POOL_NAME.match(pool):
+        raise BadInput(f"{where}: spec.pool must be the name of a WorkerPool (a DNS subdomain), "
+                       f"got {pool!r}")
+    if any(v is not None for v in flow):
+        raise BadInput(f"{where}: spec.pool: pools do not take batches under flow control yet "
+                       "(spec.limits, spec.tokens, spec.budget); docs/pools.md")
+    if generator is not None:
+        raise BadInput(f"{where}: spec.pool: a generator source cannot run in a pool yet; "
+                       "docs/pools.md")
+    if command is not None:
+        raise BadInput(f"{where}: spec.pool: a pool runs a Python handler (its WorkerPool's "
+                       "spec.handler); spec.command is not served by pools")
+    if suspend:
+        raise BadInput(f"{where}: spec.pool: suspend does not apply to a pool's run (its "
+                       "workers serve the whole pool); scale the WorkerPool instead")
+    if spec.get("template"):
+        raise BadInput(f"{where}: spec.pool: the pool's workers have the WorkerPool's "
+                       "spec.template; a run in a pool takes none")
+    return pool, priority
 
 
 def _flow_control(spec: Mapping[str, Any], where: str

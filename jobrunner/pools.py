@@ -81,6 +81,32 @@ def refuse_flow_control(batch_id: str, pool: str, named: dict[str, str]) -> None
                        "(docs/pools.md)")
 
 
+def check_batch_handler(handler: Any, pool: str | None) -> str:
+    if pool is None:
+        raise BadInput("a batch's handler is recorded for pool batches only: give a pool too "
+                       "(a batch's own workers are started with their handler)")
+    if not isinstance(handler, str) or ":" not in handler or len(handler) > 1000:
+        raise BadInput(f"handler must look like 'package.module:function', got {handler!r}")
+    return handler
+
+
+def set_batch_handler(conn: psycopg.Connection, batch_id: str, handler: str) -> None:
+    """Inside the enqueue's transaction: the batch's handler is this one (set now if it
+    had none; a batch whose tasks may already run with another one is refused)."""
+    row = conn.cursor(row_factory=dict_row).execute(
+        query("batch_set_handler"), {"batch_id": batch_id, "handler": handler}).fetchone()
+    if row["handler"] != handler:
+        raise BadInput(f"batch {batch_id!r} runs handler {row['handler']!r}, not {handler!r} "
+                       "(set at its first enqueue)")
+
+
+def batch_handler(conn: psycopg.Connection, batch_id: str) -> tuple[bool, str | None]:
+    """(whether the batch exists, its recorded handler)."""
+    row = conn.cursor(row_factory=dict_row).execute(query("batch_handler"),
+                                                    {"batch_id": batch_id}).fetchone()
+    return (row is not None, row["handler"] if row else None)
+
+
 def enqueue_staged(conn: psycopg.Connection, batch_id: str, tenant_id: str, pool: str,
                    priority: int) -> int:
     """Inside the enqueue's transaction, once the tasks are staged: lay their tags and

@@ -234,7 +234,7 @@ class Queue:
                 max_attempts: int = 8, *, limits: Sequence[str] | None = None,
                 tokens: int | None = None,
                 reduce: dict[str, Any] | None = None, pool: str | None = None,
-                priority: int = 0) -> EnqueueResult:
+                priority: int = 0, handler: str | None = None) -> EnqueueResult:
         """Add tasks to a batch; tasks whose key already exists are left as they are.
 
         `limits` and `tokens` are the batch's defaults (a BatchRun's): a task that names
@@ -243,7 +243,9 @@ class Queue:
         nothing is written. `reduce` (jobrunner/reduce.py, ReduceSpec.as_json()) gives the
         batch its reduce step in the same transaction; once that reduce was enqueued, new
         tasks are refused (they would never be reduced). `pool` puts the batch in a worker
-        pool with `priority` (jobrunner/pools.py: both fixed at its first enqueue).
+        pool with `priority` (jobrunner/pools.py: both fixed at its first enqueue), and
+        `handler` records the handler its tasks run with, for pool workers that serve
+        several (jobrunner/pool_handlers.py; set by the first enqueue that names one).
 
         All rows are validated and encoded before the transaction starts; the insert
         itself is a COPY into a temporary table and one INSERT ... ON CONFLICT DO
@@ -255,6 +257,8 @@ class Queue:
         if pool is not None:
             pools.check_pool(pool)
         priority = pools.check_priority(priority)
+        if handler is not None:
+            pools.check_batch_handler(handler, pool)
         default_limits = list(check_limit_names(limits, "batch limits") or ()) or None
         default_tokens = check_tokens(tokens, "batch tokens") if tokens is not None else None
         named: dict[str, str] = {name: "the batch's limits" for name in default_limits or ()}
@@ -291,6 +295,8 @@ class Queue:
             if batch["cancelled_at"] is not None and rows:
                 raise BadInput(f"batch {batch_id!r} was cancelled; enqueue under a new batch id")
             pools.check_batch_fits(batch_id, tenant_id, pool, priority, batch)
+            if handler is not None:
+                pools.set_batch_handler(self.conn, batch_id, handler)
             flow.require_known(self.conn, named, named)
             self._execute(query("enqueue_stage_table"))
             with self.conn.cursor() as cur, cur.copy(

@@ -1199,6 +1199,21 @@ SELECT EXISTS (SELECT 1 FROM agent_work_queue
                  AND EXISTS (SELECT 1 FROM agent_work_queue q
                              WHERE q.batch_id = b.batch_id AND q.status = 'leased')) AS open;
 
+-- name: pool_work
+-- A WorkerPool's queue depth for its scaling timer (controller/workerpools.py): tasks
+-- pending and due now (claimable; a task waiting out a retry backoff is not), and tasks
+-- leased, in flight. Each count stops at %(cap)s, so a deep backlog costs a bounded scan
+-- of the pool's pending index every tick.
+SELECT (SELECT count(*) FROM (SELECT 1 FROM agent_work_queue
+                              WHERE pool = %(pool)s AND status = 'pending'
+                                AND run_after <= now()
+                              LIMIT %(cap)s) p) AS pending,
+       (SELECT count(*) FROM (SELECT 1 FROM agent_batch b
+                              JOIN agent_work_queue q ON q.batch_id = b.batch_id
+                                                     AND q.status = 'leased'
+                              WHERE b.pool = %(pool)s
+                              LIMIT %(cap)s) l) AS leased;
+
 -- name: pool_reduce_due
 -- The pool's batches whose reduce step may still have to be enqueued (few rows): the
 -- pool worker's maintenance tick and drain check run the reduce trigger for each.
@@ -1250,3 +1265,14 @@ FROM agent_batch b
 LEFT JOIN agent_work_queue g ON g.batch_id = b.batch_id AND g.task_key = '__generate__'
 WHERE b.batch_id = %(batch_id)s;
 
+
+-- name: batch_set_handler
+-- A pool batch's handler, set by its first enqueue that names one (pool_handlers.py);
+-- returns the handler it has, so a different one is refused.
+UPDATE agent_batch SET handler = coalesce(handler, %(handler)s)
+WHERE batch_id = %(batch_id)s
+RETURNING handler;
+
+-- name: batch_handler
+-- The handler a pool worker runs a batch's tasks with (cached per batch by the worker).
+SELECT handler FROM agent_batch WHERE batch_id = %(batch_id)s;

@@ -22,7 +22,7 @@ GITOPS_DOC = REPO / "docs" / "gitops.md"
 
 
 # ------------------------------------------------------------------------------ CRDs
-@pytest.mark.parametrize("name", ["batchrun.yaml", "kopf-peering.yaml"])
+@pytest.mark.parametrize("name", ["batchrun.yaml", "kopf-peering.yaml", "workerpool.yaml"])
 def test_chart_crds_are_byte_identical_to_the_repositorys(name):
     assert (CHART / "crds" / name).read_bytes() == (REPO / "crds" / name).read_bytes(), (
         f"charts/jobrunner/crds/{name} differs from crds/{name}: "

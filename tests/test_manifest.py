@@ -120,8 +120,16 @@ def test_every_example_manifest_parses():
     assert manifests
     for path in manifests:
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
-        if any(d.get("kind") == "BatchRun" for d in docs):
+        runs = [d for d in docs if d.get("kind") == "BatchRun"]
+        if len(runs) == 1:
             load_manifest(path)
+        else:  # several runs (examples/workerpool.yaml): each on its own, as the controller
+            for run in runs:
+                parse_batchrun(run, source=str(path))
+        for pool in (d for d in docs if d.get("kind") == "WorkerPool"):
+            from controller.workerpools import parse_workerpool
+
+            parse_workerpool(pool)
 
 
 def test_manifest_file_errors(tmp_path):

@@ -73,6 +73,24 @@ def test_pool_claim_takes_every_batch_of_the_pool_in_fair_order(conn):
     assert q.counts("a1")["done"] == 6 and q.counts("other")["pending"] == 5
 
 
+def test_a_tenant_enqueued_concurrently_is_not_laid_behind_the_others_backlog(dsn):
+    """Two runs applied together (migration 0015): B's enqueue transaction starts, A's
+    commits its tasks, then B takes the pool's lock; A's tasks must count as due, so B is
+    laid at A's next tag, not after A's whole backlog."""
+    import psycopg
+
+    with psycopg.connect(dsn) as b_conn, psycopg.connect(dsn, autocommit=True) as a_conn:
+        with b_conn.transaction():
+            b_conn.execute("SELECT now()")  # B's transaction (and its now()) starts here
+            time.sleep(0.05)
+            Queue(a_conn).enqueue("a", "A", _tasks(4), pool="p")
+            Queue(b_conn).enqueue("b", "B", _tasks(4), pool="p")
+        order = [r[0] for r in a_conn.execute(
+            "SELECT batch_id FROM agent_work_queue WHERE pool = 'p' ORDER BY vtag, id")]
+    assert order[:4].count("b") >= 1 and order[-1] == "b", order
+    assert order != ["a"] * 4 + ["b"] * 4
+
+
 def test_batches_of_one_tenant_share_its_part_and_weights_and_priority_apply(conn):
     q = Queue(conn)
     q.enqueue("x1", "A", _tasks(8), pool="p")

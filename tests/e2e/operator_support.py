@@ -16,14 +16,14 @@ from .harness.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = [REPO / "crds" / "batchrun.yaml", REPO / "crds" / "kopf-peering.yaml",
-        REPO / "crds" / "batchrunschedule.yaml"]
+        REPO / "crds" / "batchrunschedule.yaml", REPO / "crds" / "workerpool.yaml"]
 
 
 def apply_crds(k8s) -> None:
     for crd in CRDS:
         k8s.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
     k8s.kubectl("wait", "--for=condition=Established", "crd/batchruns.jobrunner.dev",
-                "--timeout=60s")
+                "crd/workerpools.jobrunner.dev", "--timeout=60s")
 
 
 def create_db_secret(k8s, namespace: str, dsn: str, name: str = "jobrunner-db") -> None:

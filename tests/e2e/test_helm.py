@@ -383,6 +383,9 @@ def test_controller_rbac_is_exactly_what_it_needs(k8s, release):
         ("update", "batchruns.jobrunner.dev", "--subresource=status"),
         ("update", "batchruns.jobrunner.dev", "--subresource=finalizers"),
         ("get", "jobs.batch"), ("create", "jobs.batch"), ("patch", "jobs.batch"),
+        ("get", "deployments.apps"), ("create", "deployments.apps"),
+        ("patch", "deployments.apps"), ("watch", "workerpools.jobrunner.dev"),
+        ("patch", "workerpools.jobrunner.dev/status"),
         ("create", "events"), ("patch", "events"),
         ("create", "events.events.k8s.io"), ("patch", "events.events.k8s.io"),
         ("get", "pods"), ("list", "pods"), ("watch", "pods"),
@@ -402,7 +405,9 @@ def test_controller_rbac_is_exactly_what_it_needs(k8s, release):
         ("create", "roles.rbac.authorization.k8s.io"),
         ("create", "rolebindings.rbac.authorization.k8s.io"),
         ("impersonate", "serviceaccounts"), ("create", "serviceaccounts", "--subresource=token"),
-        ("get", "deployments.apps"),
+        ("delete", "deployments.apps"), ("list", "deployments.apps"),
+        ("update", "deployments.apps"), ("delete", "workerpools.jobrunner.dev"),
+        ("create", "workerpools.jobrunner.dev"),
     ]
     for check in allowed:
         assert can_i(k8s, ns, sa, *check), f"the controller may not {check} in {ns}"
@@ -430,6 +435,9 @@ def test_controller_rbac_is_exactly_what_it_needs(k8s, release):
         "batchruns.jobrunner.dev/status": {"get", "patch", "update"},
         "batchruns.jobrunner.dev/finalizers": {"update"},
         "jobs.batch": {"get", "create", "patch"},
+        "workerpools.jobrunner.dev": {"get", "list", "watch", "patch"},
+        "workerpools.jobrunner.dev/status": {"get", "patch", "update"},
+        "deployments.apps": {"get", "create", "patch"},
         "events": {"create", "patch"},
         "events.events.k8s.io": {"create", "patch"},
         "pods": {"get", "list", "watch"},

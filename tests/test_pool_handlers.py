@@ -1,0 +1,80 @@
+"""A pool worker serving several handlers (jobrunner/pool_handlers.py): each task runs
+with its batch's handler, recorded at enqueue; a batch whose handler the worker does not
+serve fails at once with a clear error (not released, not spun on). Real PostgreSQL, a
+real worker process."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+import pytest
+
+from jobrunner.errors import BadInput
+from jobrunner.queue import Queue
+from jobrunner.validation import TaskSpec
+from tests.conftest import cli
+
+RECORD = "tests.support.handlers:record"
+EFFECT = "tests.support.handlers:with_effect"
+NOT_SERVED = "tests.support.handlers:noop"
+
+
+def _tasks(n: int, prefix: str) -> list[TaskSpec]:
+    return [TaskSpec(key=f"{prefix}-{i}", payload={}) for i in range(n)]
+
+
+def test_each_batch_runs_with_its_handler_and_an_unserved_one_fails_at_once(dsn):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        q = Queue(conn)
+        q.enqueue("rec", "A", _tasks(5, "rec"), pool="multi", handler=RECORD)
+        q.enqueue("eff", "B", _tasks(5, "eff"), pool="multi", handler=EFFECT)
+        q.enqueue("other", "B", _tasks(3, "other"), pool="multi", handler=NOT_SERVED,
+                  max_attempts=5)
+    r = cli("worker", "--pool", "multi", "--handler", RECORD, "--handler", EFFECT,
+            "--concurrency", "2", "--exit-when-drained", dsn=dsn, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with psycopg.connect(dsn) as conn:
+        ran = dict(conn.execute("SELECT task_key, count(*) FROM exec_log GROUP BY 1").fetchall())
+        effects = {k for (k,) in conn.execute("SELECT task_key FROM effect_out")}
+        rows = conn.execute("SELECT batch_id, status::text, attempts, last_error"
+                            " FROM agent_work_queue ORDER BY batch_id, task_key").fetchall()
+    # both served batches ran, each with its own handler (only with_effect writes effects)
+    assert set(ran) == {f"rec-{i}" for i in range(5)} | {f"eff-{i}" for i in range(5)}
+    assert set(ran.values()) == {1}
+    assert effects == {f"eff-{i}" for i in range(5)}
+    by_batch: dict[str, set[str]] = {}
+    for batch_id, status, attempts, last_error in rows:
+        by_batch.setdefault(batch_id, set()).add(status)
+        if batch_id == "other":
+            # dead after one attempt, saying why; never run, never spun on
+            assert attempts == 1, rows
+            assert "runs handler tests.support.handlers:noop, which this pool's workers do " \
+                   "not serve" in last_error, last_error
+    assert by_batch == {"rec": {"done"}, "eff": {"done"}, "other": {"dead"}}, rows
+
+
+def test_a_batch_handler_is_fixed_and_for_pool_batches_only(dsn):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        q = Queue(conn)
+        q.enqueue("h", "A", _tasks(1, "a"), pool="multi", handler=RECORD)
+        q.enqueue("h", "A", _tasks(1, "b"), pool="multi")  # no handler named: unchanged
+        q.enqueue("h", "A", _tasks(1, "c"), pool="multi", handler=RECORD)
+        with pytest.raises(BadInput, match=r"runs handler .*record', not .*noop'"):
+            q.enqueue("h", "A", _tasks(1, "d"), pool="multi", handler=NOT_SERVED)
+        with pytest.raises(BadInput, match="recorded for pool batches only"):
+            q.enqueue("solo", "A", _tasks(1, "a"), handler=RECORD)
+        with pytest.raises(BadInput, match="must look like"):
+            q.enqueue("h2", "A", _tasks(1, "a"), pool="multi", handler="nope")
+        assert conn.execute("SELECT count(*) FROM agent_work_queue WHERE batch_id = 'h'"
+                            ).fetchone()[0] == 3
+        assert conn.execute("SELECT count(*) FROM agent_batch WHERE batch_id IN"
+                            " ('solo', 'h2')").fetchone()[0] == 0
+    r = cli("worker", "--batch", "h", "--handler", RECORD, "--handler", EFFECT, dsn=dsn)
+    assert r.returncode != 0 and "several --handler options need --pool" in r.stderr
+    r = cli("enqueue", "-", "--batch", "h3", "--tenant", "A", "--pool", "multi", "--handler",
+            EFFECT, input=json.dumps({"key": "k", "payload": {}}) + "\n", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT handler FROM agent_batch WHERE batch_id = 'h3'"
+                            ).fetchone()[0] == EFFECT
