@@ -18,9 +18,9 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/jobrunner run examples/summarise.yaml
 
 # The whole test suite, with everything it needs (control-plane binaries built from Go
-# modules and cached by version, PgBouncer from Debian). The e2e tests (one real node per
-# machine: one pytest process) run beside the rest, which uses TEST_WORKERS pytest-xdist
-# workers: hack/test-suite.sh.
+# modules and cached by version, PgBouncer from Debian). The e2e tests (one real cluster,
+# shared by E2E_WORKERS pytest workers) run beside the rest, which uses TEST_WORKERS
+# pytest-xdist workers: hack/test-suite.sh.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed system-deps e2e-bins
 	PY=$(PY) TEST_WORKERS=$(TEST_WORKERS) hack/test-suite.sh
