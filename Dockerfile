@@ -23,13 +23,12 @@ COPY controller/ controller/
 COPY sql/ sql/
 COPY crds/ crds/
 # Core install only: the embedded PostgreSQL ([local] extra) is for laptops, not pods.
-# Dropped after the install: the kubernetes package's asyncio client (kubernetes.aio,
-# 65 MB with its bytecode; jobrunner and kopf use neither) and the venv's setuptools.
+# No `kubernetes` package: the controller talks to the API with httpx (controller/kube.py)
+# and kopf logs in by itself. Dropped after the install: the venv's setuptools.
 # Third-party packages are kept as bytecode alone (their sources are read only by
 # tracebacks, which still name file and line): that halves the files and about 40 MB.
 # jobrunner's own code keeps its sources, and so does anyio (it reads its own source to
-# resolve lazy imports). The kubernetes client (only the controller imports it) is also
-# compiled without docstrings (-OO): its generated models are mostly docstrings.
+# resolve lazy imports).
 # All dependencies ship binary wheels (psycopg[binary]), so no compiler is needed.
 # A network that re-signs TLS needs its CA bundle for pip: pass it as a build secret
 # (`--secret id=ca-certificates,src=/etc/ssl/certs/ca-certificates.crt`); it is mounted
@@ -41,21 +40,22 @@ RUN --mount=type=secret,id=ca-certificates,required=false \
  && /opt/venv/bin/pip install . \
  && /opt/venv/bin/pip uninstall -y pip \
  && site=$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') \
- && rm -rf "$site/kubernetes/aio" "$site/setuptools" "$site/pkg_resources" \
+ && rm -rf "$site/setuptools" "$site/pkg_resources" \
            "$site/_distutils_hack" "$site/distutils-precedence.pth" "$site"/setuptools-*.dist-info \
  && find "$site" -name __pycache__ -prune -exec rm -rf {} + \
- && /opt/venv/bin/python -OO -m compileall -q -b "$site/kubernetes" \
  && /opt/venv/bin/python -m compileall -q -b -l "$site" >/dev/null \
  && for pkg in "$site"/*/; do \
       case "$(basename "$pkg")" in \
-        jobrunner|controller|anyio|kubernetes|*.dist-info) ;; \
+        jobrunner|controller|anyio|*.dist-info) ;; \
         *) /opt/venv/bin/python -m compileall -q -b "$pkg" >/dev/null ;; \
       esac; \
     done \
  && find "$site" -name '*.py' -not -path "$site/jobrunner/*" -not -path "$site/controller/*" \
       -not -path "$site/anyio/*" -delete \
  && /opt/venv/bin/python -m compileall -q "$site/jobrunner" "$site/controller" "$site/anyio" \
- && PYTHONPATH= /opt/venv/bin/python -c 'import jobrunner.cli, controller.main, kopf, httpx, psycopg, rich, typer, kubernetes.client' \
+ && PYTHONPATH= /opt/venv/bin/python -c 'import jobrunner.cli, controller.main, kopf, httpx, psycopg, rich, typer' \
+ && if PYTHONPATH= /opt/venv/bin/python -c 'import kubernetes' 2>/dev/null; then \
+      echo "the kubernetes package is in the image; nothing here should need it" >&2; exit 1; fi \
  && /opt/venv/bin/jobrunner --help >/dev/null
 
 # ---------------------------------------------------------------- final stage

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
-from kubernetes.client.exceptions import ApiException
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
@@ -19,7 +18,7 @@ from jobrunner.db import describe_error
 from jobrunner.migrate import migrate
 from jobrunner.queue import Queue
 
-from .kube import core_api
+from .kube import ApiError, read_secret
 
 
 class DatabaseProblem(Exception):
@@ -43,8 +42,8 @@ def read_dsn(namespace: str, secret_name: str, key: str) -> str:
     if cached and time.monotonic() - cached[0] < _SECRET_TTL:
         return cached[1]
     try:
-        secret = core_api().read_namespaced_secret(secret_name, namespace)
-    except ApiException as exc:
+        secret = read_secret(namespace, secret_name)
+    except ApiError as exc:
         _secrets.pop(cache_key, None)
         if exc.status == 404:
             raise DatabaseProblem("SecretNotFound",
@@ -55,7 +54,7 @@ def read_dsn(namespace: str, secret_name: str, key: str) -> str:
                                   ) from None
         raise DatabaseProblem("SecretUnreadable", f"reading Secret {namespace}/{secret_name}: "
                               f"HTTP {exc.status} {exc.reason}") from None
-    data = (secret.data or {}).get(key)
+    data = (secret.get("data") or {}).get(key)
     if not data:
         raise DatabaseProblem("SecretKeyMissing",
                               f"Secret {namespace}/{secret_name} has no key {key!r}")

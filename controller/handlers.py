@@ -12,7 +12,6 @@ import logging
 from typing import Any
 
 import kopf
-from kubernetes.client.exceptions import ApiException
 
 from jobrunner import generators
 from jobrunner import reduce as reduce_step
@@ -21,12 +20,12 @@ from jobrunner.manifest import BatchRunSpec, parse_batchrun
 from jobrunner.redact import redact_text
 from jobrunner.results import top_errors_status
 
-from . import flowcontrol, metrics, pods, pool_runs
+from . import flowcontrol, kube, metrics, pods, pool_runs
 from .conditions import get_condition, now_iso, set_condition
 from .config import CONFIG, GROUP, PLURAL, VERSION
 from .database import DatabaseProblem, queue_for, read_dsn
 from .jobs import api_error_detail, build_job, default_batch_id, job_name
-from .kube import batch_api
+from .kube import ApiError
 from .sources import SourceUnavailable, config_map_source
 
 TERMINAL = ("Succeeded", "Failed", "Cancelled")
@@ -55,6 +54,15 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # does not use. The CRDs must exist when the controller starts (the chart installs them).
     settings.scanning.disabled = True
     settings.execution.max_workers = 20
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The pod's service account (at $KUBERNETES_SERVICE_HOST), else the kubeconfig. kopf
+    calls this again after a 401 (a rotated token): kube.py then uses the new login too."""
+    info = kube.login(**kwargs)
+    kube.remember_login(info)
+    return info
 
 
 def _db_secret(run: BatchRunSpec) -> tuple[str, str]:
@@ -233,8 +241,8 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
                 generation, flow)
         return
     job = _ensure_job(body, run, st, batch_id, secret, key)
-    new["jobName"] = job.metadata.name
-    new["activeDeadlineSeconds"] = job.spec.active_deadline_seconds
+    new["jobName"] = job["metadata"]["name"]
+    new["activeDeadlineSeconds"] = job["spec"].get("activeDeadlineSeconds")
     new["activeDeadlineSource"] = ("spec" if run.active_deadline is not None
                                    else "default: max(1 day, 3 x visibilityTimeoutSeconds + 60)")
     new["startTime"] = st.get("startTime") or now_iso()
@@ -457,13 +465,12 @@ def _database_problem(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
 
 
 def _ensure_job(body: kopf.Body, run: BatchRunSpec, st: dict[str, Any], batch_id: str,
-                secret: str, key: str) -> Any:
+                secret: str, key: str) -> dict[str, Any]:
     """Exactly one Job per BatchRun, ever: a deterministic name, create-or-read."""
-    api = batch_api()
     ns, name = body.metadata.namespace, job_name(body.metadata.name, body.metadata.uid)
     try:
-        job = api.read_namespaced_job(name, ns)
-    except ApiException as exc:
+        job = kube.read_job(ns, name)
+    except ApiError as exc:
         if exc.status != 404:
             raise kopf.TemporaryError(f"reading Job {name}: HTTP {exc.status}", delay=5) from None
         if st.get("jobName"):
@@ -473,11 +480,11 @@ def _ensure_job(body: kopf.Body, run: BatchRunSpec, st: dict[str, Any], batch_id
                              secret_name=secret, secret_key=key)
         kopf.adopt(manifest, owner=body)
         try:
-            job = api.create_namespaced_job(ns, manifest)
+            job = kube.create_job(ns, manifest)
             _event(body, "Normal", "JobCreated",
                       message=f"Job {name}: {run.workers} worker(s), activeDeadlineSeconds "
                               f"{run.effective_deadline()}")
-        except ApiException as create_exc:
+        except ApiError as create_exc:
             if create_exc.status == 422:
                 # The API server refused the pod (spec.template passes volumes, affinity,
                 # containers... through unchecked): say what it objected to. Retrying cannot
@@ -489,23 +496,23 @@ def _ensure_job(body: kopf.Body, run: BatchRunSpec, st: dict[str, Any], batch_id
                 raise kopf.TemporaryError(_safe(f"creating Job {name}: HTTP {create_exc.status} "
                                                 f"{api_error_detail(create_exc)}"),
                                           delay=5) from None
-            job = api.read_namespaced_job(name, ns)
+            job = kube.read_job(ns, name)
         return job
     changes: dict[str, Any] = {}
-    if job.spec.parallelism != run.workers:
+    if job["spec"].get("parallelism") != run.workers:
         changes["parallelism"] = run.workers
-    if bool(job.spec.suspend) != run.suspend and not _job_finished(job):
+    if bool(job["spec"].get("suspend")) != run.suspend and not _job_finished(job):
         changes["suspend"] = run.suspend
     if changes:
-        job = api.patch_namespaced_job(name, ns, {"spec": changes})
+        job = kube.patch_job(ns, name, {"spec": changes})
         _event(body, "Normal", "JobUpdated", message=f"Job {name}: {changes}")
     return job
 
 
-def _worker_health(body: kopf.Body, job: Any, conditions: list[dict[str, Any]],
+def _worker_health(body: kopf.Body, job: dict[str, Any], conditions: list[dict[str, Any]],
                    generation: int) -> tuple[list[dict[str, Any]], pods.PodProblem | None]:
     """WorkersHealthy from the Job's pods; the problem that should fail the run, if any."""
-    found = pods.job_pods(body.metadata.namespace, job.metadata.name)
+    found = pods.job_pods(body.metadata.namespace, job["metadata"]["name"])
     if found is None:
         return conditions, None
     health = pods.classify(found)
@@ -529,19 +536,19 @@ def _worker_health(body: kopf.Body, job: Any, conditions: list[dict[str, Any]],
     return conditions, None
 
 
-def _stop_job(job: Any) -> None:
+def _stop_job(job: dict[str, Any]) -> None:
     """Suspend a Job whose pods can never start: its pods go, the run has failed."""
+    meta = job["metadata"]
     try:
-        batch_api().patch_namespaced_job(job.metadata.name, job.metadata.namespace,
-                                         {"spec": {"suspend": True}})
-    except ApiException as exc:
-        log.warning("could not suspend Job %s: HTTP %s", job.metadata.name, exc.status)
+        kube.patch_job(meta["namespace"], meta["name"], {"spec": {"suspend": True}})
+    except ApiError as exc:
+        log.warning("could not suspend Job %s: HTTP %s", meta["name"], exc.status)
 
 
-def _job_finished(job: Any) -> tuple[str, str, str] | None:
-    for cond in job.status.conditions or []:
-        if cond.status == "True" and cond.type in ("Complete", "Failed"):
-            return cond.type, cond.reason or cond.type, cond.message or ""
+def _job_finished(job: dict[str, Any]) -> tuple[str, str, str] | None:
+    for cond in (job.get("status") or {}).get("conditions") or []:
+        if cond.get("status") == "True" and cond.get("type") in ("Complete", "Failed"):
+            return cond["type"], cond.get("reason") or cond["type"], cond.get("message") or ""
     return None
 
 

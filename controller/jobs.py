@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 from collections.abc import Mapping
 from typing import Any
 
 from jobrunner.manifest import TMP_PATH, TMP_VOLUME, WORKER_CONTAINER, BatchRunSpec
 
 from .config import CONFIG
+from .kube import ApiError
 
 # The pod's default termination grace; the worker gets two thirds of it to finish running
 # tasks, the rest is for releasing the unfinished ones and exiting before SIGKILL.
@@ -166,11 +166,7 @@ def worker_pod_template(spec_template: Mapping[str, Any], *, command: list[str],
             "spec": pod_spec}
 
 
-def api_error_detail(exc: Any) -> str:
-    """The API server's own message from an ApiException (a Status object in its body),
-    e.g. which field of the Job's pod template it refused; else the HTTP reason."""
-    try:
-        message = json.loads(exc.body or "").get("message")
-    except (TypeError, ValueError, AttributeError):
-        message = None
-    return str(message) if message else str(exc.reason or "")
+def api_error_detail(exc: ApiError) -> str:
+    """The API server's own message (the Status object in its reply), e.g. which field of
+    the Job's pod template it refused; else the HTTP reason."""
+    return exc.message or exc.reason or ""

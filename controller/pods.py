@@ -17,9 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
-
-from .kube import core_api
+from .kube import ApiError, list_pods
 
 # Waiting reasons of the kubelet that retrying the same pod does not cure.
 STUCK_REASONS = frozenset({
@@ -48,41 +46,55 @@ class PodHealth:
     any_started: bool  # a worker container is running or has run
 
 
-def classify(pods: list[Any]) -> PodHealth:
+def classify(pods: list[dict[str, Any]]) -> PodHealth:
     """The first stuck container of the Job's pods (oldest pod first), and whether any
-    worker got as far as running."""
+    worker got as far as running. Pods are the API's JSON."""
     problem: PodProblem | None = None
     started = False
-    for pod in sorted(pods, key=lambda p: p.metadata.creation_timestamp or dt.datetime.min):
-        status = pod.status
-        statuses = [*(status.init_container_statuses or []),
-                    *(status.container_statuses or [])] if status else []
+    for pod in sorted(pods, key=_created):
+        status = pod.get("status") or {}
+        statuses = [*(status.get("initContainerStatuses") or []),
+                    *(status.get("containerStatuses") or [])]
         for cs in statuses:
-            state = cs.state
-            if _ran(state) or _ran(cs.last_state):
+            state = cs.get("state") or {}
+            if _ran(state) or _ran(cs.get("lastState")):
                 started = True
-            waiting = state.waiting if state else None
-            if waiting and waiting.reason in STUCK_REASONS and problem is None:
-                problem = PodProblem(pod.metadata.name, cs.name, waiting.reason,
-                                     (waiting.message or "").strip()[:400])
+            waiting = state.get("waiting")
+            if waiting and waiting.get("reason") in STUCK_REASONS and problem is None:
+                problem = PodProblem(pod["metadata"]["name"], cs.get("name", ""),
+                                     waiting["reason"],
+                                     (waiting.get("message") or "").strip()[:400])
     return PodHealth(problem, started)
 
 
-def _ran(state: Any) -> bool:
+_EPOCH = dt.datetime.min.replace(tzinfo=dt.UTC)
+
+
+def _created(pod: dict[str, Any]) -> dt.datetime:
+    stamp = (pod.get("metadata") or {}).get("creationTimestamp")
+    return parse_time(stamp) if stamp else _EPOCH
+
+
+def parse_time(stamp: str) -> dt.datetime:
+    """An RFC 3339 timestamp of the API (``2026-01-01T00:00:00Z``), timezone-aware."""
+    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def _ran(state: dict[str, Any] | None) -> bool:
     if not state:
         return False
-    if state.running:
+    if state.get("running") is not None:
         return True
     # A container the runtime could not even start (bad command) never ran.
-    return bool(state.terminated) and state.terminated.reason not in NEVER_RAN
+    terminated = state.get("terminated")
+    return terminated is not None and terminated.get("reason") not in NEVER_RAN
 
 
-def job_pods(namespace: str, job_name: str) -> list[Any] | None:
+def job_pods(namespace: str, job_name: str) -> list[dict[str, Any]] | None:
     """The Job's pods, or None when they cannot be read (no verdict this time)."""
     try:
-        return core_api().list_namespaced_pod(
-            namespace, label_selector=f"job-name={job_name}").items
-    except ApiException:
+        return list_pods(namespace, f"job-name={job_name}")
+    except ApiError:
         return None
 
 
@@ -90,5 +102,5 @@ def stuck_for(condition: dict[str, Any] | None, now: dt.datetime) -> float:
     """Seconds the WorkersHealthy condition has been False (0 when it is not)."""
     if not condition or condition.get("status") != "False":
         return 0.0
-    since = dt.datetime.fromisoformat(condition["lastTransitionTime"].replace("Z", "+00:00"))
+    since = parse_time(condition["lastTransitionTime"])
     return (now - since).total_seconds()

@@ -18,13 +18,12 @@ import logging
 from typing import Any
 
 import kopf
-from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
+from . import kube
 from .conditions import get_condition, set_condition
 from .config import GROUP, PLURAL, VERSION
 from .jobs import api_error_detail
-from .kube import api_client
+from .kube import ApiError
 from .schedule_times import (
     BadSchedule,
     Due,
@@ -52,10 +51,6 @@ log = logging.getLogger("jobrunner.controller.schedules")
 _wake: dict[str, asyncio.Event] = {}
 
 
-def _api() -> client.CustomObjectsApi:
-    return client.CustomObjectsApi(api_client())
-
-
 @kopf.daemon(GROUP, VERSION, SCHEDULES, cancellation_timeout=1, backoff=5)
 async def run_schedule(stopped: kopf.DaemonStopped, namespace: str, name: str, uid: str,
                        **_: Any) -> None:
@@ -65,7 +60,7 @@ async def run_schedule(stopped: kopf.DaemonStopped, namespace: str, name: str, u
             wake.clear()
             try:
                 delay = await asyncio.to_thread(sync_schedule, namespace, name, uid)
-            except ApiException as exc:
+            except ApiError as exc:
                 log.warning("schedule %s/%s: HTTP %s %s", namespace, name, exc.status,
                             api_error_detail(exc))
                 delay = 5.0
@@ -105,24 +100,23 @@ def _now() -> dt.datetime:
 
 def sync_schedule(namespace: str, name: str, uid: str) -> float:
     """Converge one schedule; returns the seconds until it needs to run again."""
-    api = _api()
     try:
-        obj = api.get_namespaced_custom_object(GROUP, VERSION, namespace, SCHEDULES, name)
-    except ApiException as exc:
+        obj = kube.get_custom(GROUP, VERSION, namespace, SCHEDULES, name)
+    except ApiError as exc:
         if exc.status == 404:
             return MAX_SLEEP
         raise
     meta = obj["metadata"]
     if meta.get("uid") != uid or meta.get("deletionTimestamp"):
         return MAX_SLEEP
-    return Sync(api, obj).run()
+    return Sync(obj).run()
 
 
 class Sync:
     """One pass over one schedule (fresh from the API server)."""
 
-    def __init__(self, api: client.CustomObjectsApi, obj: dict[str, Any]) -> None:
-        self.api, self.obj = api, obj
+    def __init__(self, obj: dict[str, Any]) -> None:
+        self.obj = obj
         meta = obj["metadata"]
         self.ns, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
         self.generation = meta.get("generation")
@@ -198,9 +192,8 @@ class Sync:
         body = self._manifest(f"{self.name}-", {}, {})
         body["metadata"]["generateName"] = body["metadata"].pop("name")
         try:
-            self.api.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, body,
-                                                     dry_run="All")
-        except ApiException as exc:
+            kube.create_custom(GROUP, VERSION, self.ns, PLURAL, body, dry_run=True)
+        except ApiError as exc:
             if exc.status not in (400, 422):
                 raise
             message = (f"spec.batchRunTemplate is not a valid BatchRun: "
@@ -266,11 +259,9 @@ class Sync:
         release when stopped become cancelled too (the batch is cancelled)."""
         name = run["metadata"]["name"]
         try:
-            self.api.delete_namespaced_custom_object(
-                GROUP, VERSION, self.ns, PLURAL, name,
-                body=client.V1DeleteOptions(propagation_policy="Foreground",
-                                            preconditions={"uid": run["metadata"]["uid"]}))
-        except ApiException as exc:
+            kube.delete_custom(GROUP, VERSION, self.ns, PLURAL, name,
+                               propagation_policy="Foreground", uid=run["metadata"]["uid"])
+        except ApiError as exc:
             if exc.status not in (404, 409):
                 raise
             return
@@ -312,12 +303,10 @@ class Sync:
         """Create the run, or find it made by an earlier attempt; None if refused."""
         body = self._manifest(name, labels, annotations)
         try:
-            created = self.api.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,
-                                                               body)
-        except ApiException as exc:
+            created = kube.create_custom(GROUP, VERSION, self.ns, PLURAL, body)
+        except ApiError as exc:
             if exc.status == 409:
-                existing = self.api.get_namespaced_custom_object(GROUP, VERSION, self.ns,
-                                                                 PLURAL, name)
+                existing = kube.get_custom(GROUP, VERSION, self.ns, PLURAL, name)
                 if _owned_by(existing, self.uid):
                     return existing  # made by an earlier pass (a restart): not a second one
                 _event(self.obj, "Warning", "FailedCreate",
@@ -332,8 +321,8 @@ class Sync:
         return created
 
     def _runs(self) -> list[dict[str, Any]]:
-        found = self.api.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,
-                                                       label_selector=f"{LABEL}={self.name}")
+        found = kube.list_custom(GROUP, VERSION, self.ns, PLURAL,
+                                 label_selector=f"{LABEL}={self.name}")
         return [r for r in found.get("items") or [] if _owned_by(r, self.uid)]
 
     def _history(self, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -352,11 +341,10 @@ class Sync:
             for r in finished[:max(0, len(finished) - limit)]:
                 name = r["metadata"]["name"]
                 try:
-                    self.api.delete_namespaced_custom_object(
-                        GROUP, VERSION, self.ns, PLURAL, name,
-                        body=client.V1DeleteOptions(propagation_policy="Background",
-                                                    preconditions={"uid": r["metadata"]["uid"]}))
-                except ApiException as exc:
+                    kube.delete_custom(GROUP, VERSION, self.ns, PLURAL, name,
+                                       propagation_policy="Background",
+                                       uid=r["metadata"]["uid"])
+                except ApiError as exc:
                     if exc.status not in (404, 409):
                         raise
                 gone.add(name)
@@ -367,8 +355,8 @@ class Sync:
     def _patch_status(self) -> None:
         changed = {k: v for k, v in self.new.items() if self.st.get(k) != v}
         if changed:
-            self.api.patch_namespaced_custom_object_status(GROUP, VERSION, self.ns, SCHEDULES,
-                                                           self.name, {"status": changed})
+            kube.patch_custom_status(GROUP, VERSION, self.ns, SCHEDULES, self.name,
+                                     {"status": changed})
 
 
 def _phase(run: dict[str, Any]) -> str | None:

@@ -6,15 +6,11 @@ only new keys, which is not what re-applying a run should do)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from kubernetes.client.exceptions import ApiException
-
 from jobrunner.manifest import BatchRunSpec
 from jobrunner.sources import config_map_tasks
 from jobrunner.validation import TaskSpec
 
-from .kube import core_api
+from .kube import ApiError, read_config_map
 
 
 class SourceUnavailable(Exception):
@@ -31,8 +27,8 @@ def config_map_source(namespace: str, run: BatchRunSpec, where: str) -> tuple[Ta
     assert run.config_map is not None
     name, key = run.config_map
     try:
-        obj: Any = core_api().read_namespaced_config_map(name, namespace)
-    except ApiException as exc:
+        obj = read_config_map(namespace, name)
+    except ApiError as exc:
         if exc.status == 404:
             raise SourceUnavailable("ConfigMapNotFound", f"ConfigMap {namespace}/{name} "
                                     "(spec.source.configMap) does not exist yet") from None
@@ -42,5 +38,5 @@ def config_map_source(namespace: str, run: BatchRunSpec, where: str) -> tuple[Ta
                                     "(the chart's RBAC does)") from None
         raise SourceUnavailable("ConfigMapUnreadable", f"reading ConfigMap {namespace}/{name}: "
                                 f"HTTP {exc.status}") from None
-    plain = {"data": dict(obj.data or {}), "binaryData": dict(obj.binary_data or {})}
+    plain = {"data": dict(obj.get("data") or {}), "binaryData": dict(obj.get("binaryData") or {})}
     return config_map_tasks(plain, f"{namespace}/{name}", key, where)

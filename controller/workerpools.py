@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-from kubernetes.client.exceptions import ApiException
 from psycopg.rows import dict_row
 
 from jobrunner.errors import BadInput
@@ -32,12 +31,12 @@ from jobrunner.manifest import parse_template
 from jobrunner.redact import redact_text
 from jobrunner.sqlfiles import query
 
-from . import metrics, scaling
+from . import kube, metrics, scaling
 from .conditions import now_iso, set_condition
 from .config import CONFIG, GROUP, POOL_PLURAL, VERSION
 from .database import DatabaseProblem, queue_for, read_dsn
 from .jobs import api_error_detail, pod_grace_seconds, worker_grace, worker_pod_template
-from .kube import apps_api, custom_api
+from .kube import ApiError
 
 log = logging.getLogger("jobrunner.controller")
 HASH_ANNOTATION = "jobrunner.dev/pod-template-hash"
@@ -247,7 +246,7 @@ def converge(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
     new: dict[str, Any] = {"pool": pool.queue_pool,
                            "deploymentName": deployment_name(pool.name)}
     deploy = _read_deployment(pool)
-    current = (deploy.spec.replicas or 0) if deploy is not None else 0
+    current = _replicas(deploy) if deploy is not None else 0
     now = time.time()
     try:
         secret, key = pool.db_secret()
@@ -283,8 +282,8 @@ def converge(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
                 _event(body, "Normal", "Scaled",
                        f"{deployment_name(pool.name)}: {current} -> {decision.desired} "
                        f"replica(s): {decision.message}")
-    ready = (deploy.status.ready_replicas or 0) if deploy.status else 0
-    have = (deploy.status.replicas or 0) if deploy.status else 0
+    ready = (deploy.get("status") or {}).get("readyReplicas") or 0
+    have = (deploy.get("status") or {}).get("replicas") or 0
     new.update(replicas=have, readyReplicas=ready, desiredReplicas=decision.desired,
                pending=pending, running=leased, observedGeneration=generation,
                scaleDown=({"since": _iso(decision.pending_down.since),
@@ -320,25 +319,30 @@ def _iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _read_deployment(pool: WorkerPoolSpec) -> Any:
+def _replicas(deploy: dict[str, Any]) -> int:
+    return (deploy.get("spec") or {}).get("replicas") or 0
+
+
+def _read_deployment(pool: WorkerPoolSpec) -> dict[str, Any] | None:
     try:
-        return apps_api().read_namespaced_deployment(deployment_name(pool.name), pool.namespace)
-    except ApiException as exc:
+        return kube.read_deployment(pool.namespace, deployment_name(pool.name))
+    except ApiError as exc:
         if exc.status == 404:
             return None
         raise kopf.TemporaryError(f"reading Deployment {deployment_name(pool.name)}: HTTP "
                                   f"{exc.status}", delay=5) from None
 
 
-def _create_deployment(body: kopf.Body, pool: WorkerPoolSpec, replicas: int) -> Any:
+def _create_deployment(body: kopf.Body, pool: WorkerPoolSpec, replicas: int
+                       ) -> dict[str, Any]:
     manifest = build_deployment(pool, replicas)
     kopf.adopt(manifest, owner=body)
     name = manifest["metadata"]["name"]
     try:
-        deploy = apps_api().create_namespaced_deployment(pool.namespace, manifest)
-    except ApiException as exc:
+        deploy = kube.create_deployment(pool.namespace, manifest)
+    except ApiError as exc:
         if exc.status == 409:
-            return apps_api().read_namespaced_deployment(name, pool.namespace)
+            return kube.read_deployment(pool.namespace, name)
         message = _safe(f"Deployment {name} rejected: HTTP {exc.status} "
                         f"{api_error_detail(exc)}")
         _event(body, "Warning", "DeploymentRejected", message)
@@ -349,35 +353,36 @@ def _create_deployment(body: kopf.Body, pool: WorkerPoolSpec, replicas: int) -> 
     return deploy
 
 
-def _update_deployment(body: kopf.Body, pool: WorkerPoolSpec, deploy: Any,
+def _update_deployment(body: kopf.Body, pool: WorkerPoolSpec, deploy: dict[str, Any],
                        replicas: int) -> bool:
     """Replicas and, if the pod changed, the pod template (a JSON patch: lists replaced,
     not merged, so a removed env var or volume goes). Returns whether replicas changed."""
     wanted = build_deployment(pool, replicas)
     digest = wanted["metadata"]["annotations"][HASH_ANNOTATION]
     ops: list[dict[str, Any]] = []
-    if (deploy.spec.replicas or 0) != replicas:
+    name = deploy["metadata"]["name"]
+    annotations = deploy["metadata"].get("annotations") or {}
+    if _replicas(deploy) != replicas:
         ops.append({"op": "replace", "path": "/spec/replicas", "value": replicas})
-    rolled = (deploy.metadata.annotations or {}).get(HASH_ANNOTATION) != digest
+    rolled = annotations.get(HASH_ANNOTATION) != digest
     if rolled:
         ops.append({"op": "replace", "path": "/spec/template", "value": wanted["spec"]["template"]})
         ops.append({"op": "add", "path": "/metadata/annotations",
-                    "value": {**(deploy.metadata.annotations or {}), HASH_ANNOTATION: digest}})
+                    "value": {**annotations, HASH_ANNOTATION: digest}})
     if not ops:
         return False
     try:
-        apps_api().patch_namespaced_deployment(deploy.metadata.name, pool.namespace, ops,
-                                               _content_type="application/json-patch+json")
-    except ApiException as exc:
-        message = _safe(f"updating Deployment {deploy.metadata.name}: HTTP {exc.status} "
+        kube.json_patch_deployment(pool.namespace, name, ops)
+    except ApiError as exc:
+        message = _safe(f"updating Deployment {name}: HTTP {exc.status} "
                         f"{api_error_detail(exc)}")
         if exc.status == 422:
             _event(body, "Warning", "DeploymentRejected", message)
         raise kopf.TemporaryError(message, delay=10) from None
     if rolled:
         _event(body, "Normal", "RollingUpdate",
-               f"Deployment {deploy.metadata.name}: the worker pod changed; rolling out")
-    return (deploy.spec.replicas or 0) != replicas
+               f"Deployment {name}: the worker pod changed; rolling out")
+    return _replicas(deploy) != replicas
 
 
 def _apply(patch: kopf.Patch, current: dict[str, Any], new: dict[str, Any]) -> None:
@@ -389,9 +394,8 @@ def _apply(patch: kopf.Patch, current: dict[str, Any], new: dict[str, Any]) -> N
 def find_pool(namespace: str, name: str) -> WorkerPoolSpec | None:
     """The WorkerPool a BatchRun names, or None if it does not exist (yet)."""
     try:
-        obj = custom_api().get_namespaced_custom_object(GROUP, VERSION, namespace,
-                                                        POOL_PLURAL, name)
-    except ApiException as exc:
+        obj = kube.get_custom(GROUP, VERSION, namespace, POOL_PLURAL, name)
+    except ApiError as exc:
         if exc.status == 404:
             return None
         raise kopf.TemporaryError(f"reading WorkerPool {namespace}/{name}: HTTP {exc.status}",

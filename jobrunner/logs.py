@@ -50,5 +50,5 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("psycopg.pool", "kubernetes", "urllib3"):
+    for noisy in ("psycopg.pool", "kubernetes", "urllib3", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

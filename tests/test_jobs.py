@@ -317,15 +317,15 @@ def test_crd_schema_nodes_use_only_schema_keywords():
 
 
 def test_api_error_detail_reads_the_status_message():
-    from kubernetes.client.exceptions import ApiException
+    from controller.kube import ApiError
 
-    exc = ApiException(status=422, reason="Unprocessable Entity")
-    exc.body = json.dumps({"kind": "Status", "message": 'Job.batch "x" is invalid: '
-                           "spec.template.spec.volumes[1]: Required value: must specify a "
-                           "volume type"})
+    exc = ApiError.from_body(422, "Unprocessable Entity", json.dumps(
+        {"kind": "Status", "message": 'Job.batch "x" is invalid: '
+         "spec.template.spec.volumes[1]: Required value: must specify a volume type"}))
+    assert exc.status == 422 and exc.reason == "Unprocessable Entity"
     assert api_error_detail(exc).endswith("must specify a volume type")
     for body in (None, "not json", "[]", json.dumps({"message": ""})):
-        exc.body = body
+        exc = ApiError.from_body(422, "Unprocessable Entity", body)
         assert api_error_detail(exc) == "Unprocessable Entity"
 
 

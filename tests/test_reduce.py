@@ -357,11 +357,10 @@ def test_enqueue_refuses_the_reserved_key_and_tasks_after_the_reduce(dsn, conn):
 
 
 # -- the operator's phase -------------------------------------------------------------------
-def _job(finished: str | None = None):
-    from types import SimpleNamespace
-
-    conditions = [SimpleNamespace(status="True", type=finished, reason=finished, message="")]
-    return SimpleNamespace(status=SimpleNamespace(conditions=conditions if finished else []))
+def _job(finished: str | None = None) -> dict:
+    """A Job as the API returns it: finished means a True Complete/Failed condition."""
+    conditions = [{"type": finished, "status": "True", "reason": finished, "message": ""}]
+    return {"metadata": {"name": "j"}, "status": {"conditions": conditions if finished else []}}
 
 
 def _reduce_state(**changes) -> reduce.ReduceState:
