@@ -163,10 +163,10 @@ def _connection() -> _Connection:
             if _info is None:
                 raise kopf.LoginError("no Kubernetes credentials: neither a service account "
                                       "nor a kubeconfig")
-        if _conn is None or _conn.info is not _info:
-            old, _conn = _conn, _Connection(_info)
-            if old is not None:
-                old.client.close()
+        # A re-login that changed nothing keeps the pool; a changed one replaces it (the
+        # old client is left to the garbage collector: other threads may still use it).
+        if _conn is None or _conn.info != _info:
+            _conn = _Connection(_info)
         return _conn
 
 
