@@ -27,6 +27,7 @@ import httpx
 import kopf
 
 POOL_SIZE = 32
+CONNECT_RETRIES = 3
 # Every call is bounded: a hung API server must not hold a kopf handler thread forever.
 TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -120,11 +121,14 @@ class _Connection:
                 if info.username and info.password else None)
         # kopf's own SSL context: the CA (path or data), the client certificate and key
         # (data go to 0600 temporary files only while the context loads them), insecure.
-        self.client = httpx.Client(
-            base_url=info.server.rstrip("/"), verify=info.as_ssl_context(), auth=auth,
-            timeout=TIMEOUT, proxy=info.proxy_url, trust_env=info.trust_env,
-            limits=httpx.Limits(max_connections=POOL_SIZE,
-                                max_keepalive_connections=POOL_SIZE))
+        # Failed connects are retried (a restarting API server), as urllib3 did for the
+        # kubernetes client; a request that was sent is never repeated here.
+        transport = httpx.HTTPTransport(
+            verify=info.as_ssl_context(), proxy=info.proxy_url, trust_env=info.trust_env,
+            retries=CONNECT_RETRIES,
+            limits=httpx.Limits(max_connections=POOL_SIZE, max_keepalive_connections=POOL_SIZE))
+        self.client = httpx.Client(base_url=info.server.rstrip("/"), transport=transport,
+                                   auth=auth, timeout=TIMEOUT, trust_env=info.trust_env)
 
     def headers(self, *, reread: bool = False) -> dict[str, str]:
         if self.token_path and (reread or time.monotonic() - self.token_read
