@@ -303,16 +303,16 @@ def test_pod_env_and_in_cluster_credentials(k8s, namespace):
         "--from-literal=PGUSER=u",
     )
     k8s.kubectl("create", "configmap", "cfg", "-n", namespace, "--from-literal=MODE=fast")
+    # The controller's own API client (the image has no kubernetes package): its in-cluster
+    # login, from the service account and $KUBERNETES_SERVICE_HOST/PORT.
     script = textwrap.dedent("""\
         import json, os
-        from kubernetes import client, config
-        config.load_incluster_config()
-        v1 = client.CoreV1Api()
-        pods = [p.metadata.name for p in v1.list_namespaced_pod(os.environ["NS"]).items]
+        from controller import kube
+        pods = [p["metadata"]["name"] for p in kube.list_pods(os.environ["NS"], "app=envtest")]
         try:
-            v1.list_namespaced_secret(os.environ["NS"])
+            kube.request("GET", f"/api/v1/namespaces/{os.environ['NS']}/secrets")
             secrets = "allowed"
-        except client.ApiException as e:
+        except kube.ApiError as e:
             secrets = e.status
         keys = ["DSN", "NS", "POD_NAME", "POD_UID", "SA", "NODE", "IP", "LBL", "GREETING",
                 "DB_PGUSER", "MODE", "MISSING", "CPU"]
