@@ -25,7 +25,7 @@ from .conditions import get_condition, now_iso, set_condition
 from .config import CONFIG, GROUP, PLURAL, VERSION
 from .database import DatabaseProblem, queue_for, read_dsn
 from .jobs import api_error_detail, build_job, default_batch_id, job_name
-from .kube import ApiError
+from .kube import ApiError, plain
 from .sources import SourceUnavailable, config_map_source
 
 TERMINAL = ("Succeeded", "Failed", "Cancelled")
@@ -73,20 +73,12 @@ def _db_secret(run: BatchRunSpec) -> tuple[str, str]:
 def _parse(body: kopf.Body) -> BatchRunSpec:
     obj = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
            "metadata": dict(body.metadata), "spec": dict(body.spec)}
-    return parse_batchrun(_plain(obj), source=f"BatchRun {body.metadata.namespace}/"
+    return parse_batchrun(plain(obj), source=f"BatchRun {body.metadata.namespace}/"
                           f"{body.metadata.name}")
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict) or hasattr(value, "items"):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _status(status: kopf.Status) -> dict[str, Any]:
-    return _plain(dict(status))
+    return plain(dict(status))
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL, timeout=600, backoff=5)

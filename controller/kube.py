@@ -285,3 +285,13 @@ def patch_custom_status(group: str, version: str, namespace: str, plural: str, n
     merge)."""
     return request("PATCH", _ns(namespace, plural, name, group=group, version=version,
                                 sub="status"), body=patch, content_type=MERGE_PATCH)
+
+
+def plain(value: Any) -> Any:
+    """kopf's body, spec and status views (and the lists in them) as plain dicts and lists,
+    for the parsers and for status patches."""
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value

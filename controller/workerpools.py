@@ -36,7 +36,7 @@ from .conditions import now_iso, set_condition
 from .config import CONFIG, GROUP, POOL_PLURAL, VERSION
 from .database import DatabaseProblem, queue_for, read_dsn
 from .jobs import api_error_detail, pod_grace_seconds, worker_grace, worker_pod_template
-from .kube import ApiError
+from .kube import ApiError, plain
 
 log = logging.getLogger("jobrunner.controller")
 HASH_ANNOTATION = "jobrunner.dev/pod-template-hash"
@@ -183,14 +183,6 @@ def pod_template_hash(template: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict) or hasattr(value, "items"):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _safe(text: str) -> str:
     return redact_text(text)
 
@@ -211,13 +203,13 @@ def pool_work(queue: Any, pool: str) -> tuple[int, int]:
 @kopf.on.resume(GROUP, VERSION, POOL_PLURAL, backoff=5)
 @kopf.on.update(GROUP, VERSION, POOL_PLURAL, field="spec", backoff=5)
 def pool_changed(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, **_: Any) -> None:
-    converge(body, _plain(dict(status)), patch)
+    converge(body, plain(dict(status)), patch)
 
 
 @kopf.timer(GROUP, VERSION, POOL_PLURAL, interval=CONFIG.pool_scale_seconds, initial_delay=1,
             backoff=CONFIG.pool_scale_seconds)
 def pool_scale(body: kopf.Body, status: kopf.Status, patch: kopf.Patch, **_: Any) -> None:
-    converge(body, _plain(dict(status)), patch)
+    converge(body, plain(dict(status)), patch)
 
 
 @kopf.on.delete(GROUP, VERSION, POOL_PLURAL, optional=True)
@@ -233,7 +225,7 @@ def converge(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
     generation = meta.get("generation")
     conditions: list[dict[str, Any]] = list(st.get("conditions") or [])
     try:
-        pool = parse_workerpool(_plain({"metadata": dict(meta), "spec": dict(body.spec)}))
+        pool = parse_workerpool(plain({"metadata": dict(meta), "spec": dict(body.spec)}))
     except BadInput as exc:
         conditions = set_condition(conditions, "Ready", False, "InvalidSpec", str(exc),
                                    generation)
