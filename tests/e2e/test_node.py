@@ -68,10 +68,16 @@ def test_kubectl_logs_and_exec_into_a_worker(k8s, namespace, dsn, operator, caps
     batch = get(k8s, "batchrun", "observed", namespace)["status"]["batchId"]
     # `kubectl exec` through the API server and the kubelet into the container: the CLI in
     # the image, the DSN from the pod's environment (the Secret), no flags needed for it.
-    out = k8s.kubectl("exec", pod, "-n", namespace, "-c", "worker", "--",
-                      "jobrunner", "status", "--batch", batch, "--json").stdout
-    counts = json.loads(out)
-    assert counts["total"] == 6 and counts["leased"] + counts["done"] >= 1, counts
+    # (the container runs before its worker's first claim: under load that takes seconds)
+    def status_after_a_claim():
+        out = k8s.kubectl("exec", pod, "-n", namespace, "-c", "worker", "--",
+                          "jobrunner", "status", "--batch", batch, "--json").stdout
+        counts = json.loads(out)
+        return (out, counts) if counts["leased"] + counts["done"] >= 1 else None
+
+    out, counts = wait_for("a claim seen by `kubectl exec ... jobrunner status`",
+                           status_after_a_claim, timeout=60, interval=1)
+    assert counts["total"] == 6, counts
     whoami = k8s.kubectl("exec", pod, "-n", namespace, "--", "id", "-u").stdout.strip()
     assert whoami == "10001"
     wait_phase(k8s, "observed", namespace, ("Succeeded",), controller=operator)
