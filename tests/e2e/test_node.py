@@ -56,6 +56,26 @@ def worker_statuses(k8s, namespace: str) -> list[dict]:
             for cs in pod["status"].get("containerStatuses") or [] if cs["name"] == "worker"]
 
 
+def worker_diagnosis(k8s, namespace: str, pod: str, dsn: str) -> str:
+    """What a failed wait on a worker needs to be understood: its container's states, its
+    log and the queue's rows."""
+    statuses = [(cs["name"], cs.get("restartCount"), cs.get("state"), cs.get("lastState"))
+                for p in pods_of(k8s, namespace)
+                for cs in p["status"].get("containerStatuses") or []]
+    log = k8s.kubectl("logs", pod, "-n", namespace, "-c", "worker", "--tail", "40",
+                      check=False)
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT status, count(*), min(run_after) - now(), max(attempts) "
+            "FROM agent_work_queue GROUP BY status").fetchall()
+        sessions = conn.execute(
+            "SELECT application_name, state, wait_event_type, wait_event, "
+            "left(query, 80) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid()").fetchall()
+    return (f"container statuses: {statuses}\nqueue: {rows}\nsessions: {sessions}\n"
+            f"worker log (tail):\n{log.stdout}{log.stderr}")
+
+
 def condition(status: dict, type_: str) -> dict | None:
     return next((c for c in status.get("conditions", []) if c["type"] == type_), None)
 
@@ -75,8 +95,11 @@ def test_kubectl_logs_and_exec_into_a_worker(k8s, namespace, dsn, operator, caps
         counts = json.loads(out)
         return (out, counts) if counts["leased"] + counts["done"] >= 1 else None
 
-    out, counts = wait_for("a claim seen by `kubectl exec ... jobrunner status`",
-                           status_after_a_claim, timeout=60, interval=1)
+    try:
+        out, counts = wait_for("a claim seen by `kubectl exec ... jobrunner status`",
+                               status_after_a_claim, timeout=60, interval=1)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{worker_diagnosis(k8s, namespace, pod, dsn)}") from None
     assert counts["total"] == 6, counts
     whoami = k8s.kubectl("exec", pod, "-n", namespace, "--", "id", "-u").stdout.strip()
     assert whoami == "10001"
