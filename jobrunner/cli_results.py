@@ -20,7 +20,6 @@ from . import db
 from .cli import BatchOpt, DsnOpt, app, err
 from .cli import out as console
 from .errors import BadInput, JobrunnerError, UnknownBatch
-from .local_runner import existing_database
 from .queue import Queue
 from .reduce import BatchResult, batch_result, preview
 from .reduce import state as reduce_state
@@ -57,6 +56,9 @@ def results(
     if reduce and (errors or fmt != ExportFormat.jsonl):
         raise BadInput("--reduce writes the batch's result as it is: without --errors "
                        "or --format")
+    # (imported here: the local runner and its embedded server are not a worker's imports)
+    from .local_runner import existing_database
+
     with existing_database(dsn) as url, db.connect(url, purpose="jobrunner-results") as conn:
         try:
             with _destination(output) as out:

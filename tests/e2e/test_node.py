@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from datetime import UTC, datetime
 
 import psycopg
 import pytest
@@ -80,7 +81,35 @@ def condition(status: dict, type_: str) -> dict | None:
     return next((c for c in status.get("conditions", []) if c["type"] == type_), None)
 
 
+def _ts(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def start_timeline(k8s, namespace: str, pod: str, applied: datetime, dsn: str,
+                   first_log: dict) -> str:
+    """Where a worker's start went, in seconds after `kubectl apply` (the API's times have
+    one-second resolution): enqueued, Job, pod, scheduled, container started, the worker's
+    first log line, its first task started (exec_log)."""
+    p = json.loads(k8s.kubectl("get", "pod", pod, "-n", namespace, "-o", "json").stdout)
+    job = jobs_of(k8s, namespace)[0]
+    scheduled = condition(p["status"], "PodScheduled")
+    worker = next(cs for cs in p["status"]["containerStatuses"] if cs["name"] == "worker")
+    state = worker["state"].get("running") or worker["state"].get("terminated") or {}
+    with psycopg.connect(dsn) as conn:
+        enqueued, claimed = conn.execute(
+            "SELECT (SELECT min(created_at) FROM agent_work_queue),"
+            " (SELECT min(started_at) FROM exec_log)").fetchone()
+    marks = [("enqueued", enqueued), ("Job", _ts(job["metadata"]["creationTimestamp"])),
+             ("pod", _ts(p["metadata"]["creationTimestamp"])),
+             ("scheduled", scheduled and _ts(scheduled["lastTransitionTime"])),
+             ("container started", state.get("startedAt") and _ts(state["startedAt"])),
+             ("first log line", _ts(first_log["ts"])), ("first task started", claimed)]
+    return ", ".join(f"{name} +{(at - applied).total_seconds():.1f}s"
+                     for name, at in marks if at is not None)
+
+
 def test_kubectl_logs_and_exec_into_a_worker(k8s, namespace, dsn, operator, capsys):
+    applied = datetime.now(UTC)
     apply(k8s, namespace, batchrun("observed", {
         "tenant": "t", "workers": 1, "handler": "tests.support.handlers:record",
         "shardRange": {"count": 6, "payload": {"sleep": 4}}, **FAST}))
@@ -108,6 +137,7 @@ def test_kubectl_logs_and_exec_into_a_worker(k8s, namespace, dsn, operator, caps
     records = [json.loads(line) for line in lines]  # every line is JSON
     assert any("batch" in r.get("message", r.get("msg", "")) for r in records), records[:3]
     assert all("level" in r or "levelname" in r for r in records), records[:3]
+    show(capsys, "worker start: " + start_timeline(k8s, namespace, pod, applied, dsn, records[0]))
     show(capsys, f"$ kubectl exec {pod} -- jobrunner status --batch {batch} --json\n{out}"
           f"$ kubectl logs {pod} | head -2\n" + "\n".join(lines[:2]))
 
