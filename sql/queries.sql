@@ -410,12 +410,16 @@ RETURNING q.id;
 
 -- name: fail
 -- Retryable failure: back to pending after min(cap, base * 2^attempts) seconds with up
--- to 25 %% jitter. Permanent failure, or attempts used up: dead.
+-- to 25 %% jitter. Permanent failure, or attempts used up: dead. A retryable failure in a
+-- cancelled batch (its BatchRun deleted or replaced while the task ran) ends cancelled,
+-- as release and expire do: no worker of that batch is left to claim it again.
 WITH failed AS (
     UPDATE agent_work_queue q
-    SET status = CASE WHEN %(permanent)s OR q.attempts >= q.max_attempts
-                      THEN 'dead' ELSE 'pending' END,
+    SET status = CASE WHEN %(permanent)s OR q.attempts >= q.max_attempts THEN 'dead'
+                      WHEN b.cancelled_at IS NOT NULL THEN 'cancelled'
+                      ELSE 'pending' END,
         run_after = CASE WHEN %(permanent)s OR q.attempts >= q.max_attempts
+                              OR b.cancelled_at IS NOT NULL
                          THEN q.run_after
                          ELSE now() + make_interval(secs => least(
                              %(backoff_cap)s::float8,
@@ -423,11 +427,14 @@ WITH failed AS (
                                  * (1 + 0.25 * random())))
                     END,
         finished_at = CASE WHEN %(permanent)s OR q.attempts >= q.max_attempts
+                                OR b.cancelled_at IS NOT NULL
                            THEN now() END,
         last_error = %(error)s,
         locked_until = NULL,
         updated_at = now()
+    FROM agent_batch b
     WHERE q.id = %(id)s
+      AND b.batch_id = q.batch_id
       AND q.attempts = %(attempt)s
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
@@ -445,18 +452,21 @@ SELECT id, status, run_after FROM failed;
 -- now() + retry_after WITHOUT using an attempt (the attempt counter goes back, as on
 -- release), counted in `throttles`; at max_throttles the task ends dead with an error
 -- that says so, so an endpoint that always answers 429 cannot keep a task forever.
--- Fenced like fail. (The limit itself is blocked for every worker by block_limits, in
--- its own transaction: this statement never waits on a limit row.)
+-- Fenced like fail, and like fail it ends cancelled in a cancelled batch. (The limit
+-- itself is blocked for every worker by block_limits, in its own transaction: this
+-- statement never waits on a limit row.)
 WITH throttled AS (
     UPDATE agent_work_queue q
-    SET status = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s
-                      THEN 'dead' ELSE 'pending' END,
+    SET status = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s THEN 'dead'
+                      WHEN b.cancelled_at IS NOT NULL THEN 'cancelled'
+                      ELSE 'pending' END,
         attempts = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s
                         THEN q.attempts ELSE q.attempts - 1 END,
         throttles = coalesce(q.throttles, 0) + 1,
         run_after = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s THEN q.run_after
                          ELSE now() + make_interval(secs => %(retry_after)s::float8) END,
         finished_at = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s
+                                OR b.cancelled_at IS NOT NULL
                            THEN now() END,
         last_error = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s
                           THEN 'rate limited ' || (coalesce(q.throttles, 0) + 1)
@@ -465,7 +475,9 @@ WITH throttled AS (
                           ELSE %(error)s END,
         locked_until = NULL,
         updated_at = now()
+    FROM agent_batch b
     WHERE q.id = %(id)s
+      AND b.batch_id = q.batch_id
       AND q.attempts = %(attempt)s
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans

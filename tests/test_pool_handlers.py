@@ -78,3 +78,26 @@ def test_a_batch_handler_is_fixed_and_for_pool_batches_only(dsn):
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT handler FROM agent_batch WHERE batch_id = 'h3'"
                             ).fetchone()[0] == EFFECT
+
+
+def test_handlers_of_many_batches_are_read_on_one_connection_that_survives_a_kill(dsn):
+    """A pool of many one-batch tenants: one connection for all the handler look-ups (a
+    connection per batch held bench.pools' 1,000-tenant pool at 600-750 tasks/s), opened
+    again when the server ends it."""
+    from jobrunner.pool_handlers import PoolHandlers
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        q = Queue(conn)
+        for i in range(40):
+            q.enqueue(f"b{i}", f"T{i}", _tasks(1, f"k{i}"), pool="many",
+                      handler=RECORD if i % 2 else EFFECT)
+        handlers = PoolHandlers({RECORD: lambda t: None, EFFECT: lambda t: None}, dsn)
+        names = [handlers.handler_of(f"b{i}") for i in range(20)]
+        pid = handlers._conn.info.backend_pid
+        sessions = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE "
+                                "application_name = 'jobrunner-worker handler'").fetchone()[0]
+        assert sessions == 1
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        names += [handlers.handler_of(f"b{i}") for i in range(20, 40)]
+        assert handlers._conn.info.backend_pid != pid
+    assert names == [RECORD if i % 2 else EFFECT for i in range(40)]

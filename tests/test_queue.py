@@ -224,6 +224,27 @@ def test_cancel_moves_pending_only(queue: Queue, conn):
         queue.enqueue("b", "acme", tasks(1, prefix="new"))
 
 
+def test_a_failure_in_a_cancelled_batch_ends_cancelled_not_pending(queue: Queue):
+    """Retryable failures and rate-limited answers of tasks running when their batch was
+    cancelled end cancelled, as a release or an expired lease does: pending would strand
+    them (no worker of the batch is left) and keep the batch from settling. Permanent
+    failures stay dead, with their error."""
+    queue.enqueue("b", "acme", tasks(3))
+    failing, throttled, poisoned = queue.claim("b", W1, limit=3)
+    assert queue.cancel("b") == 0
+    assert queue.fail(W1, failing, "boom") == "cancelled"
+    assert queue.complete(W1, [Outcome(throttled, False, error="429",
+                                       throttle_after=1.0)]) == {throttled.id}
+    assert queue.fail(W1, poisoned, "bad input", permanent=True) == "dead"
+    assert queue.counts("b") == {"pending": 0, "leased": 0, "done": 0, "dead": 1,
+                                 "cancelled": 2}
+    rows = queue.conn.execute("SELECT status, finished_at IS NOT NULL AS finished, last_error"
+                              " FROM agent_work_queue WHERE id = ANY(%s) ORDER BY id",
+                              ([failing.id, throttled.id],)).fetchall()
+    assert [(r["status"], r["finished"], r["last_error"]) for r in rows] == [
+        ("cancelled", True, "boom"), ("cancelled", True, "429")]
+
+
 def test_requeue_dead(queue: Queue):
     queue.enqueue("b", "acme", tasks(2), max_attempts=1)
     for lease in queue.claim("b", W1, limit=2):
