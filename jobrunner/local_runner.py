@@ -239,8 +239,9 @@ def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs:
         "SELECT coalesce(sum(attempts), 0) AS attempts, count(*) AS tasks,"
         " percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - created_at))"
         "   FILTER (WHERE status = 'done') AS p50_latency"
-        " FROM agent_work_queue WHERE batch_id = %s"
-        " AND task_key NOT IN ('__reduce__', '__generate__')", (batch_id,)).fetchone()
+        " FROM agent_task_key k JOIN agent_work_queue q ON q.id = k.task_id"
+        " WHERE k.batch_id = %s"  # (the batch's rows by key: migration 0017)
+        " AND k.task_key NOT IN ('__reduce__', '__generate__')", (batch_id,)).fetchone()
     queue.conn.rollback()
     total = sum(counts.values())
     retries = int(stats["attempts"]) - counts["done"] - counts["dead"]

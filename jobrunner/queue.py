@@ -248,8 +248,9 @@ class Queue:
         several (jobrunner/pool_handlers.py; set by the first enqueue that names one).
 
         All rows are validated and encoded before the transaction starts; the insert
-        itself is a COPY into a temporary table and one INSERT ... ON CONFLICT DO
-        NOTHING, so 100k tasks take seconds and a failure writes nothing.
+        itself is a COPY into a temporary table and one INSERT, whose rows with a key
+        that exists are skipped by the task table's key trigger (migration 0017), so 100k
+        tasks take seconds and a failure writes nothing.
         """
         check_identifier(batch_id, "batch id")
         check_identifier(tenant_id, "tenant id")

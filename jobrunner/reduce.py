@@ -8,7 +8,7 @@ Guarantees:
 - Settled is decided from the rows (the SQL function jobrunner_batch_settled: no task
   pending or leased; with onDead fail, none dead), never from a counter. The trigger
   (`trigger`) is one named query, reduce_enqueue, run after locking the batch row: the
-  insert is idempotent on the unique (batch_id, task_key) and sets
+  insert is idempotent on the unique key (batch_id, task_key) and sets
   agent_batch.reduce_enqueued_at in the same statement, so any number of callers at any
   moment enqueue at most one reduce per batch, ever. Whoever may see the batch settle
   calls it: a worker's drain check, every worker's maintenance tick, the operator's

@@ -27,7 +27,8 @@ CREATE TEMP TABLE jobrunner_enqueue_stage (
 ) ON COMMIT DROP;
 
 -- name: enqueue_from_stage
--- Idempotent on (batch_id, task_key): rows that already exist are left untouched.
+-- Idempotent on (batch_id, task_key): rows that already exist are left untouched (the
+-- task table's insert trigger skips a row whose key is in agent_task_key, migration 0017).
 WITH inserted AS (
     INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, shard_key, payload, max_attempts,
                                   limits, tokens)
@@ -35,7 +36,6 @@ WITH inserted AS (
            s.limits, s.tokens
     FROM jobrunner_enqueue_stage s
     ORDER BY s.task_key
-    ON CONFLICT (batch_id, task_key) DO NOTHING
     RETURNING 1
 ),
 counted AS (
@@ -588,7 +588,8 @@ SELECT batch_id, tenant_id, created_at, cancelled_at FROM agent_batch WHERE batc
 -- name: counts
 -- Each unfinished status from the small index that holds only that status, done as the
 -- rest of the batch's task count, all in one snapshot (see migration 0009): the cost
--- grows with the unfinished rows, not with the batch. (MATERIALIZED: otherwise each
+-- grows with the unfinished rows, not with the batch. The reduce and generator tasks are
+-- found by key (agent_task_key, migration 0017). (MATERIALIZED: otherwise each
 -- count is run once more for the done column.) The reduce task (migration 0011) and the
 -- generator task (0012) are not tasks of the batch: they are not in `tasks`, and are
 -- taken out of its status here.
@@ -602,10 +603,10 @@ WITH c AS MATERIALIZED (SELECT
       WHERE batch_id = %(batch_id)s AND status = 'dead')      AS dead,
     (SELECT count(*) FROM agent_work_queue
       WHERE batch_id = %(batch_id)s AND status = 'cancelled') AS cancelled,
-    (SELECT status::text FROM agent_work_queue
-      WHERE batch_id = %(batch_id)s AND task_key = '__reduce__') AS reduce,
-    (SELECT status::text FROM agent_work_queue
-      WHERE batch_id = %(batch_id)s AND task_key = '__generate__') AS gen),
+    (SELECT q.status::text FROM agent_task_key k JOIN agent_work_queue q ON q.id = k.task_id
+      WHERE k.batch_id = %(batch_id)s AND k.task_key = '__reduce__') AS reduce,
+    (SELECT q.status::text FROM agent_task_key k JOIN agent_work_queue q ON q.id = k.task_id
+      WHERE k.batch_id = %(batch_id)s AND k.task_key = '__generate__') AS gen),
 own AS (SELECT tasks,
     pending - (reduce IS NOT DISTINCT FROM 'pending')::int
             - (gen IS NOT DISTINCT FROM 'pending')::int AS pending,
@@ -704,18 +705,20 @@ SELECT EXISTS (SELECT 1 FROM agent_work_queue
 -- their own through a server-side cursor, so a million rows stream in constant memory.
 
 -- name: export_results
--- The results of a batch's finished tasks, in task key order: the unique (batch_id,
--- task_key) index gives that order without a sort, and a cursor's plan prefers it.
+-- The results of a batch's finished tasks, in task key order: the batch's keys in
+-- agent_task_key's primary key give that order without a sort (a cursor's plan prefers
+-- it), each task then read by its id.
 -- The result comes as JSON text and finished_at as ISO 8601 text (the export sets the
 -- transaction's TimeZone to UTC): the exporter writes them through without decoding.
 -- The reduce task is not a result: its return value is the batch's (batch_result); nor
 -- is the generator task.
-SELECT q.task_key, q.status::text, q.result::text, q.attempts,
+SELECT k.task_key, q.status::text, q.result::text, q.attempts,
        to_json(q.finished_at) #>> '{}' AS finished_at
-FROM agent_work_queue q
-WHERE q.batch_id = %(batch_id)s AND q.status = 'done'
-  AND q.task_key NOT IN ('__reduce__', '__generate__')
-ORDER BY q.task_key;
+FROM agent_task_key k
+JOIN agent_work_queue q ON q.id = k.task_id
+WHERE k.batch_id = %(batch_id)s AND q.status = 'done'
+  AND k.task_key NOT IN ('__reduce__', '__generate__')
+ORDER BY k.task_key;
 
 -- name: export_errors
 -- The tasks that ended without a result: dead (their last error) and cancelled. (A
@@ -982,7 +985,8 @@ SELECT b.reduce, b.cancelled_at IS NOT NULL AS cancelled, b.reduce_enqueued_at,
                  OR b.reduce_enqueued_at IS NOT NULL THEN false
             ELSE jobrunner_batch_settled(b.batch_id, b.reduce->>'onDead') END AS due
 FROM agent_batch b
-LEFT JOIN agent_work_queue r ON r.batch_id = b.batch_id AND r.task_key = '__reduce__'
+LEFT JOIN agent_task_key rk ON rk.batch_id = b.batch_id AND rk.task_key = '__reduce__'
+LEFT JOIN agent_work_queue r ON r.id = rk.task_id
 WHERE b.batch_id = %(batch_id)s;
 
 -- name: reduce_lock_batch
@@ -1014,20 +1018,21 @@ inserted AS (
     SELECT batch_id, tenant_id, '__reduce__', jsonb_build_object('reduce', reduce),
            coalesce((reduce->>'maxAttempts')::int, 8), pool,
            CASE WHEN pool IS NOT NULL THEN jobrunner_pool_now(pool) END
-    FROM due
-    ON CONFLICT (batch_id, task_key) DO NOTHING
+    FROM due  -- (a '__reduce__' key that exists: no row, as for every keyed insert)
     RETURNING id
 )
 SELECT id FROM inserted;
 
 -- name: reduce_inputs
--- What the reduce handler iterates over, in task key order (the unique index's order,
--- read through a server-side cursor): done tasks, and with onDead include the dead ones.
-SELECT q.task_key, q.status::text, q.result::text, q.last_error, q.attempts
-FROM agent_work_queue q
-WHERE q.batch_id = %(batch_id)s AND q.task_key NOT IN ('__reduce__', '__generate__')
+-- What the reduce handler iterates over, in task key order (agent_task_key's primary
+-- key order, read through a server-side cursor): done tasks, and with onDead include the
+-- dead ones.
+SELECT k.task_key, q.status::text, q.result::text, q.last_error, q.attempts
+FROM agent_task_key k
+JOIN agent_work_queue q ON q.id = k.task_id
+WHERE k.batch_id = %(batch_id)s AND k.task_key NOT IN ('__reduce__', '__generate__')
   AND (q.status = 'done' OR (%(include_dead)s AND q.status = 'dead'))
-ORDER BY q.task_key;
+ORDER BY k.task_key;
 
 -- name: reduce_store_result
 -- Inside the reduce task's effect transaction (fenced on its lease, recorded in the
@@ -1075,7 +1080,6 @@ WITH inserted AS (
            %(vstart)s::float8 + (row_number() OVER (ORDER BY s.task_key)) * %(vstride)s::float8
     FROM jobrunner_enqueue_stage s
     ORDER BY s.task_key
-    ON CONFLICT (batch_id, task_key) DO NOTHING
     RETURNING vtag
 ),
 counted AS (
@@ -1265,8 +1269,7 @@ WITH step AS (
 )
 INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, payload, max_attempts)
 SELECT batch_id, tenant_id, '__generate__', '{}'::jsonb, %(max_attempts)s
-FROM step
-ON CONFLICT (batch_id, task_key) DO NOTHING
+FROM step  -- (a '__generate__' key that exists: no row, migration 0017)
 RETURNING id;
 
 -- name: generator_state
@@ -1274,7 +1277,8 @@ RETURNING id;
 SELECT b.generator, g.status::text AS task_status, g.attempts, g.max_attempts,
        g.last_error, g.result, g.finished_at
 FROM agent_batch b
-LEFT JOIN agent_work_queue g ON g.batch_id = b.batch_id AND g.task_key = '__generate__'
+LEFT JOIN agent_task_key gk ON gk.batch_id = b.batch_id AND gk.task_key = '__generate__'
+LEFT JOIN agent_work_queue g ON g.id = gk.task_id
 WHERE b.batch_id = %(batch_id)s;
 
 

@@ -153,9 +153,13 @@ def test_status_counts_read_only_the_unfinished_rows(conn):
     conn.rollback()
     scans = [line.strip() for line in plan.splitlines() if " Scan using " in line]
     # the task count and four statuses, once each; and the reduce task (migration 0011)
-    # and the generator task (0012), each one row found by its full unique key
-    assert len(scans) == 7, plan
+    # and the generator task (0012), each one row found by its full key in agent_task_key
+    # (migration 0017) and then by its id
+    assert len(scans) == 9, plan
     assert all(("agent_batch_pkey" in line or "pending_idx" in line or "leased_idx" in line
-                or "failed_idx" in line or "batch_key_uidx" in line) for line in scans), plan
+                or "failed_idx" in line or "agent_task_key_pkey" in line
+                or "agent_work_queue_pkey" in line) for line in scans), plan
+    assert sum("agent_task_key_pkey" in line for line in scans) == 2, plan
+    assert sum("agent_work_queue_pkey" in line for line in scans) == 2, plan
     assert "(task_key = '__reduce__'::text)" in plan
     assert "(task_key = '__generate__'::text)" in plan
