@@ -90,17 +90,31 @@ def test_token_limit_settles_estimates_with_reported_usage(dsn, conn, log_table,
     Queue(conn).enqueue("tok", "t", tasks)
     workers = _workers(dsn, "tok", 4, f"{H}:paced", tmp_path)
     _finish(workers, tmp_path)
-    rows = conn.execute("SELECT extract(epoch FROM claimed_at) AS t, tokens FROM limit_log"
-                        " ORDER BY claimed_at").fetchall()
-    times = [float(r["t"]) for r in rows]
-    worst = 0
+    rows = conn.execute("SELECT extract(epoch FROM claimed_at)::float8 AS c,"
+                        " extract(epoch FROM reported_at)::float8 AS r, tokens,"
+                        " CASE WHEN tokens = 200 THEN 50 ELSE 400 END AS estimate"
+                        " FROM limit_log ORDER BY claimed_at").fetchall()
+    assert len(rows) == 40 and all(r["r"] is not None for r in rows)
+    times = [r["c"] for r in rows]
+    # The documented bound (docs/flow-control.md): the actual tokens of the tasks claimed
+    # in any window of 2 s stay within the limit plus one task's tokens, as long as each
+    # task reports before the next claim of the limit is admitted; a task still in flight
+    # (claimed, not yet settled) when a later one of the window was admitted may add
+    # what it used beyond its estimate. (Under CI load reports come late: those, counted.)
+    worst, worst_late = 0, 0
     for t in times:
-        worst = max(worst, sum(r["tokens"] for r, u in zip(rows, times, strict=True)
-                               if t <= u < t + 2.0))
-    # The actual tokens in every window: at most the limit plus one task's tokens.
-    assert worst <= 2000 + 200, worst
+        window = [r for r in rows if t <= r["c"] < t + 2.0]
+        late = [r for r in window
+                if any(o["c"] > r["c"] and r["r"] > o["c"] for o in window)]
+        allowance = 2000 + 200 + sum(max(0, r["tokens"] - r["estimate"]) for r in late)
+        used = sum(r["tokens"] for r in window)
+        assert used <= allowance, (used, allowance, len(late))
+        worst = max(worst, used)
+        worst_late = max(worst_late, len([r for r in late if r["tokens"] > r["estimate"]]))
+    print(f"tokens: at most {worst} per 2 s (underestimates settled after a later claim of "
+          f"the window: at most {worst_late})")
     span = times[-1] - times[0]
-    print(f"tokens: at most {worst} per 2 s; 6,000 tokens over {span:.1f} s")
+    print(f"6,000 tokens over {span:.1f} s")
     # Settled by actual usage (6,000 tokens: ~6 s at 1,000/s), not by the estimates
     # (9,000: ~9 s), which would also have let the too-low ones overrun the limit.
     assert span < 8.5

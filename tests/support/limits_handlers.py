@@ -16,7 +16,7 @@ from jobrunner import RateLimited, Task
 LOG_DDL = """
 CREATE TABLE IF NOT EXISTS limit_log (
     task_key text, attempt int, worker text, claimed_at timestamptz, started_at timestamptz,
-    tokens bigint);
+    tokens bigint, reported_at timestamptz);
 """
 
 _local = threading.local()
@@ -45,6 +45,10 @@ def paced(task: Task) -> dict:
     _log(task, actual)
     if actual is not None:
         task.report_usage(tokens=int(actual), cost=float(task.payload.get("cost", 0)))
+        # (when the limit was settled: the token bound holds for reports made before the
+        # next claim of the limit, docs/flow-control.md)
+        _db().execute("UPDATE limit_log SET reported_at = clock_timestamp()"
+                      " WHERE task_key = %s AND attempt = %s", (task.key, task.attempt))
     _sleep(task, float(task.payload.get("sleep", 0.05)))
     return {"ok": True}
 
