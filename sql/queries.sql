@@ -416,10 +416,12 @@ RETURNING q.id;
 WITH failed AS (
     UPDATE agent_work_queue q
     SET status = CASE WHEN %(permanent)s OR q.attempts >= q.max_attempts THEN 'dead'
-                      WHEN b.cancelled_at IS NOT NULL THEN 'cancelled'
+                      WHEN EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = q.batch_id
+                                   AND b.cancelled_at IS NOT NULL) THEN 'cancelled'
                       ELSE 'pending' END,
         run_after = CASE WHEN %(permanent)s OR q.attempts >= q.max_attempts
-                              OR b.cancelled_at IS NOT NULL
+                              OR EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = q.batch_id
+                                        AND b.cancelled_at IS NOT NULL)
                          THEN q.run_after
                          ELSE now() + make_interval(secs => least(
                              %(backoff_cap)s::float8,
@@ -427,14 +429,13 @@ WITH failed AS (
                                  * (1 + 0.25 * random())))
                     END,
         finished_at = CASE WHEN %(permanent)s OR q.attempts >= q.max_attempts
-                                OR b.cancelled_at IS NOT NULL
+                                OR EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = q.batch_id
+                                          AND b.cancelled_at IS NOT NULL)
                            THEN now() END,
         last_error = %(error)s,
         locked_until = NULL,
         updated_at = now()
-    FROM agent_batch b
     WHERE q.id = %(id)s
-      AND b.batch_id = q.batch_id
       AND q.attempts = %(attempt)s
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
@@ -458,7 +459,8 @@ SELECT id, status, run_after FROM failed;
 WITH throttled AS (
     UPDATE agent_work_queue q
     SET status = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s THEN 'dead'
-                      WHEN b.cancelled_at IS NOT NULL THEN 'cancelled'
+                      WHEN EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = q.batch_id
+                                   AND b.cancelled_at IS NOT NULL) THEN 'cancelled'
                       ELSE 'pending' END,
         attempts = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s
                         THEN q.attempts ELSE q.attempts - 1 END,
@@ -466,7 +468,8 @@ WITH throttled AS (
         run_after = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s THEN q.run_after
                          ELSE now() + make_interval(secs => %(retry_after)s::float8) END,
         finished_at = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s
-                                OR b.cancelled_at IS NOT NULL
+                                OR EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = q.batch_id
+                                          AND b.cancelled_at IS NOT NULL)
                            THEN now() END,
         last_error = CASE WHEN coalesce(q.throttles, 0) + 1 >= %(max_throttles)s
                           THEN 'rate limited ' || (coalesce(q.throttles, 0) + 1)
@@ -475,9 +478,7 @@ WITH throttled AS (
                           ELSE %(error)s END,
         locked_until = NULL,
         updated_at = now()
-    FROM agent_batch b
     WHERE q.id = %(id)s
-      AND b.batch_id = q.batch_id
       AND q.attempts = %(attempt)s
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans

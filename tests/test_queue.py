@@ -243,6 +243,12 @@ def test_a_failure_in_a_cancelled_batch_ends_cancelled_not_pending(queue: Queue)
                               ([failing.id, throttled.id],)).fetchall()
     assert [(r["status"], r["finished"], r["last_error"]) for r in rows] == [
         ("cancelled", True, "boom"), ("cancelled", True, "429")]
+    # (the batch row is read, not joined: a task whose batch has no row still fails as
+    # before, and is not taken for a lost lease)
+    queue.enqueue("nb", "acme", tasks(1))
+    (orphan,) = queue.claim("nb", W1)
+    queue.conn.execute("DELETE FROM agent_batch WHERE batch_id = 'nb'")
+    assert queue.fail(W1, orphan, "boom") == "pending"
 
 
 def test_requeue_dead(queue: Queue):
