@@ -93,10 +93,9 @@ def k8s():
 @pytest.fixture
 def namespace(k8s):
     """A fresh namespace, deleted (without waiting) after the test."""
-    name = "t-" + uuid.uuid4().hex[:8]
-    k8s.kubectl("create", "namespace", name)
-    # the service-account controller creates "default" asynchronously; pods need it
-    k8s.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
+    from .operator_support import create_namespace
+
+    name = create_namespace(k8s, "t-" + uuid.uuid4().hex[:8])
     yield name
     k8s.kubectl("delete", "namespace", name, "--wait=false", check=False)
 

@@ -19,6 +19,25 @@ CRDS = [REPO / "crds" / "batchrun.yaml", REPO / "crds" / "kopf-peering.yaml",
         REPO / "crds" / "batchrunschedule.yaml", REPO / "crds" / "workerpool.yaml"]
 
 
+# A CPU request for containers that name none, in every namespace the tests create. A
+# pod without requests is BestEffort: the kubelet gives all of them together cpu.shares 2
+# beside the Burstable controller pods' 51 each, so under CI load (the rest of the suite
+# on both cores) a worker's Python took 16 s from container start to its first log line.
+# Namespaces of real clusters carry such a LimitRange for the same reason.
+LIMIT_RANGE = {
+    "apiVersion": "v1", "kind": "LimitRange", "metadata": {"name": "default-cpu"},
+    "spec": {"limits": [{"type": "Container", "defaultRequest": {"cpu": "100m"}}]}}
+
+
+def create_namespace(k8s, name: str) -> str:
+    """Create `name` with the tests' LimitRange and wait for its default ServiceAccount
+    (the service-account controller creates it asynchronously; pods need it)."""
+    k8s.kubectl("create", "namespace", name)
+    k8s.kubectl("apply", "-n", name, "-f", "-", input=json.dumps(LIMIT_RANGE))
+    k8s.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
+    return name
+
+
 def apply_crds(k8s) -> None:
     for crd in CRDS:
         k8s.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))

@@ -22,7 +22,15 @@ import yaml
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .harness.procs import free_port
-from .operator_support import REPO, batchrun, create_db_secret, get, jobs_of, wait_phase
+from .operator_support import (
+    REPO,
+    batchrun,
+    create_db_secret,
+    create_namespace,
+    get,
+    jobs_of,
+    wait_phase,
+)
 
 CHART = REPO / "charts" / "jobrunner"
 EXAMPLE = REPO / "examples" / "summarise.yaml"
@@ -169,10 +177,7 @@ def node_values(k8s) -> list[str]:
 
 
 def new_namespace(k8s) -> str:
-    name = "h-" + uuid.uuid4().hex[:8]
-    k8s.kubectl("create", "namespace", name)
-    k8s.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
-    return name
+    return create_namespace(k8s, "h-" + uuid.uuid4().hex[:8])
 
 
 # ----------------------------------------------------------------------------- fixtures

@@ -20,6 +20,7 @@ from .operator_support import (
     apply_crds,
     batchrun,
     create_db_secret,
+    create_namespace,
     events_of,
     get,
     jobs_of,
@@ -243,8 +244,7 @@ def test_missing_secret_gives_a_condition_not_a_crash(k8s, namespace, dsn, opera
 def test_namespace_deletion_with_a_running_batchrun_completes(k8s, dsn, tmp_path):
     """The finalizer must not hold a namespace forever, even when its Secret goes first."""
     ns = "gone-" + str(int(time.time()))[-6:]
-    k8s.kubectl("create", "namespace", ns)
-    k8s.kubectl("wait", "--for=create", "serviceaccount/default", "-n", ns, "--timeout=60s")
+    create_namespace(k8s, ns)
     apply_crds(k8s)
     create_db_secret(k8s, ns, dsn)
     controller = Controller(k8s, ns, tmp_path / "controller.log", cluster_rbac=True,

@@ -36,6 +36,7 @@ LOCK_FILE = Path("/run/jobrunner-e2e.lock")
 BUILD_CACHE_MB = 1500  # BuildKit's cache kept between image builds
 CGROUP_ROOT = "jobrunner-e2e"
 CGROUP_FS = Path("/sys/fs/cgroup")
+POD_CPU_SHARES = 4096
 NODE_NAME = "127.0.0.1"
 NAMESPACE = "k8s.io"  # containerd namespace of the CRI plugin (and of BuildKit's images)
 RUNC = shutil.which("runc") or "/usr/sbin/runc"
@@ -262,6 +263,11 @@ class Node:
         for h in _cgroup_hierarchies():
             top = h / CGROUP_ROOT
             top.mkdir(exist_ok=True)
+            if (top / "cpu.shares").exists():
+                # On a real node the pods are the node's work; here all of them together
+                # compete with each test database's server (an autogroup of its own,
+                # 1024 each) and the suite's processes: give them the weight of several.
+                (top / "cpu.shares").write_text(str(POD_CPU_SHARES))
             for f in ("cpuset.cpus", "cpuset.mems"):
                 if (h / f).exists() and not (top / f).read_text().strip():
                     (top / f).write_text((h / f).read_text())
