@@ -37,7 +37,7 @@ from . import build
 from .images import JOBRUNNER_IMAGE
 from .node import Node
 from .pki import PKI, CertPair
-from .procs import Proc, free_port
+from .procs import Proc, free_port, wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_KUBECONFIG = REPO_ROOT / ".e2e" / "kubeconfig"
@@ -386,20 +386,8 @@ class Cluster:
 
     # ---------------------------------------------------------------- readiness
     def _wait(self, cond, proc: Proc | None, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if cond():
-                    return
-            except Exception:
-                pass
-            if proc is not None and not proc.alive():
-                raise ClusterError(f"{proc.name} exited:\n{proc.log_tail()}")
-            time.sleep(0.25)
-        tail = proc.log_tail() if proc is not None else ""
-        raise ClusterError(
-            f"timed out after {timeout}s waiting for {getattr(cond, '__name__', cond)}\n{tail}"
-        )
+        wait_for(cond, proc, timeout, getattr(cond, "__name__", str(cond)), ClusterError,
+                 interval=0.25)
 
     @staticmethod
     def _http_ok(url: str) -> bool:

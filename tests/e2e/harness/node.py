@@ -29,7 +29,7 @@ import yaml
 
 from . import build
 from .images import PAUSE_IMAGE, Builder
-from .procs import Proc, free_port
+from .procs import Proc, free_port, wait_for
 
 RUN_DIR = Path("/run/jobrunner-e2e")
 LOCK_FILE = Path("/run/jobrunner-e2e.lock")
@@ -371,18 +371,7 @@ state = '{RUN_DIR / "containerd"}'
 
     # ------------------------------------------------------------------ helpers
     def _wait(self, cond, proc: Proc | None, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if cond():
-                    return
-            except Exception:
-                pass
-            if proc is not None and not proc.alive():
-                raise NodeError(f"{proc.name} exited:\n{proc.log_tail()}")
-            time.sleep(0.2)
-        tail = proc.log_tail() if proc is not None else ""
-        raise NodeError(f"timed out after {timeout}s waiting for {what}\n{tail}")
+        wait_for(cond, proc, timeout, what, NodeError)
 
     def ctr(self, *args, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run([str(self.bin_dir / "ctr"), "--address", str(self.sock),

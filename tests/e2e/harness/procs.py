@@ -119,3 +119,22 @@ class Proc:
         except OSError:
             return ""
         return "\n".join(lines[-n:])
+
+
+def wait_for(cond, proc: Proc | None, timeout: float, what: str,
+             error: type[Exception] = RuntimeError, interval: float = 0.2) -> None:
+    """Poll `cond` until it is true; fail at once when `proc` (what it waits on) exits,
+    and after `timeout` with `what` and the tail of `proc`'s log. An exception from
+    `cond` counts as not yet (the process may not listen yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except Exception:
+            pass
+        if proc is not None and not proc.alive():
+            raise error(f"{proc.name} exited:\n{proc.log_tail()}")
+        time.sleep(interval)
+    tail = proc.log_tail() if proc is not None else ""
+    raise error(f"timed out after {timeout}s waiting for {what}\n{tail}")
