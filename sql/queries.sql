@@ -1214,11 +1214,13 @@ FROM claimed;
 -- leased task in one of its batches.
 SELECT EXISTS (SELECT 1 FROM agent_work_queue
                WHERE pool = %(pool)s AND status = 'pending')
-    OR EXISTS (SELECT 1 FROM agent_batch b
-               WHERE b.pool = %(pool)s
-                 AND EXISTS (SELECT 1 FROM agent_work_queue q  -- (tenant: migration 0018)
-                             WHERE q.tenant_id = b.tenant_id AND q.batch_id = b.batch_id
-                               AND q.status = 'leased')) AS open;
+    -- (per batch, through its tenant: migration 0018; LATERAL with LIMIT, so that the
+    -- index of leased rows is probed by tenant and not scanned whole per batch)
+    OR EXISTS (SELECT 1 FROM agent_batch b,
+               LATERAL (SELECT 1 FROM agent_work_queue q
+                        WHERE q.tenant_id = b.tenant_id AND q.batch_id = b.batch_id
+                          AND q.status = 'leased' LIMIT 1) l
+               WHERE b.pool = %(pool)s) AS open;
 
 -- name: pool_work
 -- A WorkerPool's queue depth for its scaling timer (controller/workerpools.py): tasks
@@ -1229,10 +1231,12 @@ SELECT (SELECT count(*) FROM (SELECT 1 FROM agent_work_queue
                               WHERE pool = %(pool)s AND status = 'pending'
                                 AND run_after <= now()
                               LIMIT %(cap)s) p) AS pending,
-       (SELECT count(*) FROM (SELECT 1 FROM agent_batch b
-                              JOIN agent_work_queue q ON q.tenant_id = b.tenant_id
-                                                     AND q.batch_id = b.batch_id
-                                                     AND q.status = 'leased'
+       -- (per batch, through its tenant: see pool_open)
+       (SELECT count(*) FROM (SELECT 1 FROM agent_batch b,
+                              LATERAL (SELECT 1 FROM agent_work_queue q
+                                       WHERE q.tenant_id = b.tenant_id
+                                         AND q.batch_id = b.batch_id
+                                         AND q.status = 'leased' LIMIT %(cap)s) q
                               WHERE b.pool = %(pool)s
                               LIMIT %(cap)s) l) AS leased;
 
