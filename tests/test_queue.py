@@ -232,6 +232,7 @@ def test_one_index_holds_every_leased_row_and_finds_each_batchs_by_its_tenant(
     b2 = queue.claim("b2", W2, limit=5)
     assert sorted(lease.shard_key or "" for lease in b2) == ["", "", "s"]
     (c,) = queue.claim("c", W2)
+    assert c.shard_key == "s"  # another tenant's shard s, while acme's s is leased
     assert queue.counts("b1")["leased"] == 5 and queue.counts("b1")["pending"] == 0
     assert queue.counts("b2")["leased"] == 3 and queue.counts("b2")["pending"] == 1
     assert queue.counts("c")["leased"] == 1
