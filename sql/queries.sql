@@ -598,8 +598,9 @@ WITH c AS MATERIALIZED (SELECT
     coalesce((SELECT tasks FROM agent_batch WHERE batch_id = %(batch_id)s), 0) AS tasks,
     (SELECT count(*) FROM agent_work_queue
       WHERE batch_id = %(batch_id)s AND status = 'pending')   AS pending,
-    (SELECT count(*) FROM agent_work_queue
-      WHERE batch_id = %(batch_id)s AND status = 'leased')    AS leased,
+    (SELECT count(*) FROM agent_work_queue  -- (the tenant: see migration 0018)
+      WHERE tenant_id = (SELECT b.tenant_id FROM agent_batch b WHERE b.batch_id = %(batch_id)s)
+        AND batch_id = %(batch_id)s AND status = 'leased')    AS leased,
     (SELECT count(*) FROM agent_work_queue
       WHERE batch_id = %(batch_id)s AND status = 'dead')      AS dead,
     (SELECT count(*) FROM agent_work_queue
@@ -625,8 +626,9 @@ FROM own;
 -- stuck: leased past the deadline and not rescued (should always be 0 while any
 -- worker runs: worth an alert). ready: pending and due now.
 SELECT
-    (SELECT count(*) FROM agent_work_queue
-      WHERE batch_id = %(batch_id)s AND status = 'leased' AND locked_until < now()) AS stuck,
+    (SELECT count(*) FROM agent_work_queue  -- (the tenant: see migration 0018)
+      WHERE tenant_id = (SELECT b.tenant_id FROM agent_batch b WHERE b.batch_id = %(batch_id)s)
+        AND batch_id = %(batch_id)s AND status = 'leased' AND locked_until < now()) AS stuck,
     (SELECT count(*) FROM agent_work_queue
       WHERE batch_id = %(batch_id)s AND status = 'pending' AND run_after <= now()) AS ready,
     (SELECT extract(epoch FROM now() - min(created_at)) FROM agent_work_queue
@@ -698,8 +700,9 @@ SELECT coalesce((SELECT flow_control FROM agent_batch WHERE batch_id = %(batch_i
 -- True while the batch has work that is not finished: pending (due now or later) or leased.
 SELECT EXISTS (SELECT 1 FROM agent_work_queue
                WHERE batch_id = %(batch_id)s AND status = 'pending')
-    OR EXISTS (SELECT 1 FROM agent_work_queue
-               WHERE batch_id = %(batch_id)s AND status = 'leased') AS open;
+    OR EXISTS (SELECT 1 FROM agent_work_queue  -- (the tenant: see migration 0018)
+               WHERE tenant_id = (SELECT b.tenant_id FROM agent_batch b WHERE b.batch_id = %(batch_id)s)
+                 AND batch_id = %(batch_id)s AND status = 'leased') AS open;
 
 -- ---------------------------------------------------------------------------------
 -- Getting results out (jobrunner/results.py). The exports run in a transaction of
@@ -1211,10 +1214,13 @@ FROM claimed;
 -- leased task in one of its batches.
 SELECT EXISTS (SELECT 1 FROM agent_work_queue
                WHERE pool = %(pool)s AND status = 'pending')
-    OR EXISTS (SELECT 1 FROM agent_batch b
-               WHERE b.pool = %(pool)s
-                 AND EXISTS (SELECT 1 FROM agent_work_queue q
-                             WHERE q.batch_id = b.batch_id AND q.status = 'leased')) AS open;
+    -- (per batch, through its tenant: migration 0018; LATERAL with LIMIT, so that the
+    -- index of leased rows is probed by tenant and not scanned whole per batch)
+    OR EXISTS (SELECT 1 FROM agent_batch b,
+               LATERAL (SELECT 1 FROM agent_work_queue q
+                        WHERE q.tenant_id = b.tenant_id AND q.batch_id = b.batch_id
+                          AND q.status = 'leased' LIMIT 1) l
+               WHERE b.pool = %(pool)s) AS open;
 
 -- name: pool_work
 -- A WorkerPool's queue depth for its scaling timer (controller/workerpools.py): tasks
@@ -1225,9 +1231,12 @@ SELECT (SELECT count(*) FROM (SELECT 1 FROM agent_work_queue
                               WHERE pool = %(pool)s AND status = 'pending'
                                 AND run_after <= now()
                               LIMIT %(cap)s) p) AS pending,
-       (SELECT count(*) FROM (SELECT 1 FROM agent_batch b
-                              JOIN agent_work_queue q ON q.batch_id = b.batch_id
-                                                     AND q.status = 'leased'
+       -- (per batch, through its tenant: see pool_open)
+       (SELECT count(*) FROM (SELECT 1 FROM agent_batch b,
+                              LATERAL (SELECT 1 FROM agent_work_queue q
+                                       WHERE q.tenant_id = b.tenant_id
+                                         AND q.batch_id = b.batch_id
+                                         AND q.status = 'leased' LIMIT %(cap)s) q
                               WHERE b.pool = %(pool)s
                               LIMIT %(cap)s) l) AS leased;
 
@@ -1245,8 +1254,9 @@ SELECT b.tenant_id, coalesce(t.weight, 1) AS weight,
        count(DISTINCT b.batch_id) AS batches,
        sum((SELECT count(*) FROM agent_work_queue q
             WHERE q.batch_id = b.batch_id AND q.status = 'pending')) AS pending,
-       sum((SELECT count(*) FROM agent_work_queue q
-            WHERE q.batch_id = b.batch_id AND q.status = 'leased')) AS leased
+       sum((SELECT count(*) FROM agent_work_queue q  -- (the tenant: migration 0018)
+            WHERE q.tenant_id = b.tenant_id AND q.batch_id = b.batch_id
+              AND q.status = 'leased')) AS leased
 FROM agent_batch b
 LEFT JOIN agent_pool_tenant t ON t.pool = b.pool AND t.tenant_id = b.tenant_id
 WHERE b.pool = %(pool)s

@@ -213,6 +213,46 @@ def test_shard_lease_is_the_leased_row_taken_under_a_try_lock(queue: Queue, conn
     assert conn.execute("SELECT count(*) AS n FROM agent_shard_lease").fetchone()["n"] == 0
 
 
+def test_one_index_holds_every_leased_row_and_finds_each_batchs_by_its_tenant(
+        queue: Queue, conn):
+    """Migration 0018: one unique index over the leased rows, (tenant_id, shard_key), for
+    the shard exclusion and for every batch-keyed read of leased rows (through the batch's
+    tenant). Tasks without a shard key all lease at once (NULLs never conflict); each
+    batch of a tenant counts only its own leases; a claim writes one entry there."""
+    indexes = {r["indexname"]: r["indexdef"] for r in conn.execute(
+        "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'agent_work_queue'")}
+    conn.rollback()
+    leased = [name for name, d in indexes.items() if "'leased'" in d]
+    assert leased == ["agent_work_queue_leased_uidx"], indexes
+    assert "UNIQUE" in indexes["agent_work_queue_leased_uidx"]
+    queue.enqueue("b1", "acme", tasks(5, prefix="x"))  # no shard key
+    queue.enqueue("b2", "acme", [*tasks(2, prefix="y"), *tasks(2, shard="s", prefix="z")])
+    queue.enqueue("c", "globex", tasks(1, shard="s", prefix="w"))
+    assert len(queue.claim("b1", W1, limit=5)) == 5
+    b2 = queue.claim("b2", W2, limit=5)
+    assert sorted(lease.shard_key or "" for lease in b2) == ["", "", "s"]
+    (c,) = queue.claim("c", W2)
+    assert c.shard_key == "s"  # another tenant's shard s, while acme's s is leased
+    assert queue.counts("b1")["leased"] == 5 and queue.counts("b1")["pending"] == 0
+    assert queue.counts("b2")["leased"] == 3 and queue.counts("b2")["pending"] == 1
+    assert queue.counts("c")["leased"] == 1
+    assert queue.batch_open("b1") and queue.health("b1")["stuck"] == 0
+    for lease in b2:
+        assert queue.ack(W2, lease, None)
+    assert queue.counts("b2")["leased"] == 0 and queue.counts("b1")["leased"] == 5
+    (last,) = queue.claim("b2", W2, limit=5)
+    assert queue.ack(W2, last, None)
+    assert not queue.batch_open("b2")  # b1's leases of the same tenant do not keep it open
+    assert queue.batch_open("b1") and queue.batch_open("c")
+    # leases past their deadline: stuck per batch, and the expirer finds them
+    conn.execute("UPDATE agent_work_queue SET locked_until = now() - interval '1 second'"
+                 " WHERE batch_id = 'b1' AND status = 'leased'")
+    conn.commit()
+    assert queue.health("b1")["stuck"] == 5 and queue.health("c")["stuck"] == 0
+    assert sorted(r["batch_id"] for r in queue.expire()) == ["b1"] * 5
+    assert queue.counts("b1")["pending"] == 5 and queue.counts("c")["leased"] == 1
+
+
 def test_cancel_moves_pending_only(queue: Queue, conn):
     queue.enqueue("b", "acme", tasks(4))
     (leased,) = queue.claim("b", W1)
