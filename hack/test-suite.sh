@@ -58,7 +58,7 @@ e2e_tests() {
 # Sharing the two cores evenly made the e2e half the longer one (14:50 beside 7:29 alone
 # for the rest). A cgroup rather than nice: the test databases' servers start sessions of
 # their own, and the kernel's autogroups would give each the full weight again.
-REST_CPU_SHARES=${REST_CPU_SHARES:-256}
+REST_CPU_SHARES=${REST_CPU_SHARES:-512}
 rest_cgroup=/sys/fs/cgroup/cpu/jobrunner-suite-rest-$$
 low_cpu() {
   if [ -f /sys/fs/cgroup/cpu/cpu.shares ] && mkdir "$rest_cgroup" 2>/dev/null; then
