@@ -19,11 +19,10 @@ WORKDIR /src
 # Only what the wheel needs (see .dockerignore): no tests, no bench, no charts.
 COPY pyproject.toml README.md ./
 COPY jobrunner/ jobrunner/
-COPY controller/ controller/
 COPY sql/ sql/
 COPY crds/ crds/
 # Core install only: the embedded PostgreSQL ([local] extra) is for laptops, not pods.
-# No `kubernetes` package: the controller talks to the API with httpx (controller/kube.py)
+# No `kubernetes` package: the controller talks to the API with httpx (jobrunner/operator/kube.py)
 # and kopf logs in by itself. Dropped after the install: the venv's setuptools.
 # Third-party packages are kept as bytecode alone (their sources are read only by
 # tracebacks, which still name file and line): that halves the files and about 40 MB.
@@ -46,14 +45,14 @@ RUN --mount=type=secret,id=ca-certificates,required=false \
  && /opt/venv/bin/python -m compileall -q -b -l "$site" >/dev/null \
  && for pkg in "$site"/*/; do \
       case "$(basename "$pkg")" in \
-        jobrunner|controller|anyio|*.dist-info) ;; \
+        jobrunner|anyio|*.dist-info) ;; \
         *) /opt/venv/bin/python -m compileall -q -b "$pkg" >/dev/null ;; \
       esac; \
     done \
- && find "$site" -name '*.py' -not -path "$site/jobrunner/*" -not -path "$site/controller/*" \
+ && find "$site" -name '*.py' -not -path "$site/jobrunner/*" \
       -not -path "$site/anyio/*" -delete \
- && /opt/venv/bin/python -m compileall -q "$site/jobrunner" "$site/controller" "$site/anyio" \
- && PYTHONPATH= /opt/venv/bin/python -c 'import jobrunner.cli, controller.main, kopf, httpx, psycopg, rich, typer' \
+ && /opt/venv/bin/python -m compileall -q "$site/jobrunner" "$site/anyio" \
+ && PYTHONPATH= /opt/venv/bin/python -c 'import jobrunner.cli, jobrunner.operator.main, kopf, httpx, psycopg, rich, typer' \
  && if PYTHONPATH= /opt/venv/bin/python -c 'import kubernetes' 2>/dev/null; then \
       echo "the kubernetes package is in the image; nothing here should need it" >&2; exit 1; fi \
  && /opt/venv/bin/jobrunner --help >/dev/null

@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 import yaml
 
-from jobrunner.embedded import free_port
+from jobrunner.local.embedded import free_port
 
 from .env import (
     Server,
@@ -104,12 +104,13 @@ def batchruns_yaml(n: int) -> str:
 # -- the controller process -----------------------------------------------------------------
 def start_controller(cluster: Any, log: Path, metrics_port: int,
                      health_port: int) -> subprocess.Popen:
-    """`python -m controller` as the e2e fixture runs it, but with the chart's refresh
+    """`python -m jobrunner.operator` as the e2e fixture runs it, but with the chart's refresh
     interval, JSON logs and the metrics and health servers on: the deployed footprint."""
     env = child_env(KUBECONFIG=str(cluster.kubeconfig), PATH=cluster.env["PATH"],
                     JOBRUNNER_REFRESH_SECONDS=REFRESH_SECONDS,
                     JOBRUNNER_WORKER_IMAGE="jobrunner:bench")
-    return spawn([sys.executable, "-m", "controller", "--namespace", NAMESPACE, "--standalone",
+    return spawn([sys.executable, "-m", "jobrunner.operator", "--namespace", NAMESPACE,
+                  "--standalone",
                   "--metrics-port", str(metrics_port), "--health-port", str(health_port),
                   "--log-format", "json"], env=env, log=log)
 

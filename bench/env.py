@@ -19,7 +19,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from jobrunner.embedded import EmbeddedPostgres
+from jobrunner.local.embedded import EmbeddedPostgres
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psycopg
 
-from jobrunner.migrate import migrate
+from jobrunner.store.migrate import migrate
 
 from . import env
 from .report import table

@@ -60,7 +60,7 @@ class Limited(Jobrunner):
 
     def install(self) -> None:
         super().install()
-        from jobrunner import limits
+        from jobrunner.store import flowcontrol as limits
 
         with psycopg.connect(self.dsn) as conn:
             limits.set_limit(conn, LIMIT, per=1.0, **self.limit)
@@ -112,8 +112,8 @@ with psycopg.connect(dsn, row_factory=dict_row, autocommit=True) as conn:
 
 
 def one_client(server: env.Server, rounds: int, before: Path | None, label: str) -> list[dict]:
-    from jobrunner import limits
-    from jobrunner.migrate import migrate
+    from jobrunner.store import flowcontrol as limits
+    from jobrunner.store.migrate import migrate
 
     dsn = server.create_db("bench_one_client")
     with psycopg.connect(dsn) as conn:

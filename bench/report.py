@@ -447,7 +447,7 @@ def _controller(c: dict) -> str:
                           f"{shutdown.get('warning', 0)} / {shutdown.get('error', 0)}"])
     messages = c.get("log", {}).get("messages", [])
     text = [f"## 7b. The controller watching {n} BatchRuns\n",
-            "`python -m controller` (standalone, one namespace, the chart's status refresh "
+            "`python -m jobrunner.operator` (standalone, one namespace, the chart's status refresh "
             f"every {c['refresh_seconds']:g} s, metrics and health servers on) against a real "
             "kube-apiserver, etcd and kube-controller-manager (tests/e2e/harness), its queue "
             f"on this server. {n} BatchRuns of {c['tasks_per_run']} tasks and one worker "

@@ -17,9 +17,10 @@ from pathlib import Path
 import psycopg
 from psycopg.rows import dict_row
 
-from jobrunner.embedded import PG_USER, free_port
-from jobrunner.queue import Outcome, Queue, Timing
-from jobrunner.validation import TaskSpec
+from jobrunner.local.embedded import PG_USER, free_port
+from jobrunner.model.types import Outcome, Timing
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
 
 from .env import (
     Server,

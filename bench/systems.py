@@ -20,10 +20,11 @@ from pathlib import Path
 import psycopg
 from psycopg.rows import dict_row
 
-from jobrunner.migrate import migrate
-from jobrunner.queue import Queue, Timing
-from jobrunner.sqlfiles import query
-from jobrunner.validation import TaskSpec
+from jobrunner.model.types import Timing
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
+from jobrunner.store.migrate import migrate
+from jobrunner.store.sqlfiles import query
 
 from .env import Server, child_env, spawn
 

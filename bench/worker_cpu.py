@@ -29,9 +29,11 @@ def child(tree: str, dsn: str, batch_size: int, tasks: int, batch: str) -> None:
     import psycopg
 
     import jobrunner
-    from jobrunner.queue import Queue, Timing
-    from jobrunner.validation import TaskSpec
-    from jobrunner.worker import Worker, WorkerConfig
+    from jobrunner.model.types import Timing
+    from jobrunner.model.validation import TaskSpec
+    from jobrunner.queue.client import Queue
+    from jobrunner.worker.config import WorkerConfig
+    from jobrunner.worker.process import Worker
     if not Path(jobrunner.__file__).resolve().is_relative_to(Path(tree).resolve()):
         raise SystemExit(f"imported {jobrunner.__file__}, not the jobrunner of {tree}")
 

@@ -25,7 +25,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from jobrunner.embedded import EmbeddedPostgres  # noqa: E402
+from jobrunner.local.embedded import EmbeddedPostgres  # noqa: E402
 from tests.e2e.harness import build  # noqa: E402
 from tests.e2e.harness.cluster import Cluster  # noqa: E402
 from tests.e2e.operator_support import Controller, apply_crds, create_db_secret  # noqa: E402

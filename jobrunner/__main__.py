@@ -1,3 +1,3 @@
-from .cli import main
+from jobrunner.cli.main import main
 
 main()

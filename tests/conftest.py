@@ -19,9 +19,9 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 
-from jobrunner.embedded import EmbeddedPostgres
-from jobrunner.migrate import migrate
-from jobrunner.queue import Queue
+from jobrunner.local.embedded import EmbeddedPostgres
+from jobrunner.queue.client import Queue
+from jobrunner.store.migrate import migrate
 from tests.support.handlers import EXEC_LOG_DDL
 
 REPO = Path(__file__).resolve().parent.parent

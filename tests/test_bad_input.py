@@ -13,8 +13,8 @@ import sys
 
 import psycopg
 
-from jobrunner.queue import Queue
-from jobrunner.validation import TaskSpec
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
 from tests.conftest import REPO, child_env, cli, start_worker, wait_for
 
 GOOD = '{"key": "good", "payload": {}}\n'

@@ -116,7 +116,7 @@ def test_dockerignore_admits_only_what_the_image_needs():
              if x.strip() and not x.startswith("#")]
     assert lines[0] == "*", "allow-list: ignore everything, then admit what the build copies"
     admitted = {x[1:].rstrip("/") for x in lines if x.startswith("!")}
-    assert admitted == {"pyproject.toml", "README.md", "jobrunner", "controller", "sql", "crds",
+    assert admitted == {"pyproject.toml", "README.md", "jobrunner", "sql", "crds",
                         "examples"}
 
 
@@ -127,7 +127,7 @@ def test_chart_metadata_matches_the_package():
     assert chart["apiVersion"] == "v2" and chart["appVersion"] == version
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     # the controller's built-in default worker image is the chart's default image
-    config = (REPO / "controller" / "config.py").read_text()
+    config = (REPO / "jobrunner" / "operator" / "config.py").read_text()
     assert f'"{values["image"]["repository"]}:{version}"' in config
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from jobrunner.queue import Queue
-from jobrunner.sqlfiles import migrations
+from jobrunner.queue.client import Queue
+from jobrunner.store.sqlfiles import migrations
 from tests.conftest import cli
 
 LINES = "\n".join(json.dumps(t) for t in [

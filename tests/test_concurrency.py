@@ -10,8 +10,9 @@ import time
 import psycopg
 from psycopg.rows import dict_row
 
-from jobrunner.queue import Outcome, Queue
-from jobrunner.validation import TaskSpec
+from jobrunner.model.types import Outcome
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
 from tests.conftest import start_worker, wait_for
 
 SHARDS = ["repo-a", "repo-b", "repo-c", "repo-d"]

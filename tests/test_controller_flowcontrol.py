@@ -11,11 +11,11 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller import flowcontrol, metrics
-from jobrunner import limits
-from jobrunner.errors import BadInput, RateLimited
-from jobrunner.manifest import parse_batchrun
-from jobrunner.queue import Queue
+from jobrunner.features.manifest import parse_batchrun
+from jobrunner.model.errors import BadInput, RateLimited
+from jobrunner.operator import flowcontrol, metrics
+from jobrunner.queue.client import Queue
+from jobrunner.store import flowcontrol as limits
 
 
 def _run(**spec):

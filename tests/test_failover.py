@@ -23,13 +23,14 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 
-from jobrunner import db
-from jobrunner.connection import QueueConnection
-from jobrunner.effects import Effects
-from jobrunner.migrate import migrate
-from jobrunner.queue import Outcome, Queue, Timing
-from jobrunner.task import Task
-from jobrunner.validation import TaskSpec
+from jobrunner.model.types import Outcome, Timing
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
+from jobrunner.runtime.effects import Effects
+from jobrunner.runtime.task import Task
+from jobrunner.store import db
+from jobrunner.store.migrate import migrate
+from jobrunner.worker.connection import QueueConnection
 from tests.conftest import cli, start_worker, wait_for
 from tests.support import pgbouncer
 from tests.support.handlers import EXEC_LOG_DDL
@@ -78,7 +79,7 @@ def test_connections_get_keepalives_unless_the_dsn_sets_them(dsn):
         assert effects.run(lambda c: c.info.get_parameters()["keepalives_idle"]) == "5"
     finally:
         effects.close()
-    from controller.database import _pool, forget
+    from jobrunner.operator.database import _pool, forget
 
     try:
         with _pool(dsn).connection() as conn:
@@ -149,7 +150,7 @@ def test_a_read_only_server_is_left_for_a_new_connection(pg_admin_dsn, dsn, conn
 
 
 def test_the_controller_drops_a_read_only_connection(pg_admin_dsn, dsn):
-    from controller.database import DatabaseProblem, forget, queue_for
+    from jobrunner.operator.database import DatabaseProblem, forget, queue_for
 
     try:
         with queue_for(dsn) as q:  # (migrations checked once, on a writable server)
@@ -239,7 +240,7 @@ def test_listen_the_cli_and_the_controller_follow_the_primary(replica_set, tmp_p
     """A worker that polls only every 24-60 s picks up a task enqueued after the failover
     within seconds: its LISTEN was issued again on the new primary. The CLI and the
     controller's pool use the same multi-host DSN before and after."""
-    from controller.database import forget, queue_for
+    from jobrunner.operator.database import forget, queue_for
 
     rs = replica_set
     dsn = rs.dsn()

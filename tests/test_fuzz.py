@@ -8,10 +8,10 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.jobs import build_job
-from jobrunner.errors import BadInput
-from jobrunner.manifest import TEMPLATE_FIELDS, parse_batchrun
-from jobrunner.validation import parse_jsonl
+from jobrunner.features.manifest import TEMPLATE_FIELDS, parse_batchrun
+from jobrunner.model.errors import BadInput
+from jobrunner.model.validation import parse_jsonl
+from jobrunner.operator.jobs import build_job
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(),

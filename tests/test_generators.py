@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobrunner import generators, reduce
-from jobrunner.errors import BadInput
-from jobrunner.generators import GENERATE_KEY, GeneratorSpec
-from jobrunner.manifest import load_manifest
-from jobrunner.queue import Queue
-from jobrunner.sources import config_map_tasks, parse_lines
-from jobrunner.validation import TaskSpec
+from jobrunner.features import generators, reduce
+from jobrunner.features.generators import GENERATE_KEY, GeneratorSpec
+from jobrunner.features.manifest import load_manifest
+from jobrunner.features.sources import config_map_tasks, parse_lines
+from jobrunner.model.errors import BadInput
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
 from tests.conftest import REPO, child_env, cli, start_worker, wait_for
 from tests.support.generator_handlers import PID_FILE_ENV
 

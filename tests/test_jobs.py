@@ -11,15 +11,15 @@ from typing import Any
 
 import yaml
 
-from controller.jobs import (
+from jobrunner.features import manifest
+from jobrunner.features.manifest import TEMPLATE_FIELDS, parse_batchrun
+from jobrunner.operator.jobs import (
     POD_SECURITY_CONTEXT,
     WORKER_SECURITY_CONTEXT,
     api_error_detail,
     build_job,
     merge_over,
 )
-from jobrunner import manifest
-from jobrunner.manifest import TEMPLATE_FIELDS, parse_batchrun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -317,7 +317,7 @@ def test_crd_schema_nodes_use_only_schema_keywords():
 
 
 def test_api_error_detail_reads_the_status_message():
-    from controller.kube import ApiError
+    from jobrunner.operator.kube import ApiError
 
     exc = ApiError.from_body(422, "Unprocessable Entity", json.dumps(
         {"kind": "Status", "message": 'Job.batch "x" is invalid: '

@@ -14,10 +14,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from jobrunner import limits
-from jobrunner.errors import BadInput
-from jobrunner.queue import Outcome, Queue, Timing
-from jobrunner.validation import TaskSpec
+from jobrunner.model.errors import BadInput
+from jobrunner.model.types import Outcome, Timing
+from jobrunner.model.usage import read_usage_file
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
+from jobrunner.store import flowcontrol as limits
 from tests.conftest import cli, start_worker, wait_for
 from tests.support.limits_handlers import LOG_DDL
 
@@ -504,7 +506,7 @@ def test_bad_usage_reports_are_refused():
     with pytest.raises(BadInput, match="cost must be between 0"):
         limits.Usage.of(cost=-0.5)
     assert limits.Usage.of(input_tokens=3, output_tokens=4).tokens == 7
-    reports, throttled = limits.read_usage_file(
+    reports, throttled = read_usage_file(
         '{"tokens": 5}\nnot json\n{"retry_after": 2, "limit": "x"}\n{"cost": "bad"}\n')
     assert [u.tokens for u in reports] == [5]
     assert throttled is not None and (throttled.retry_after, throttled.limit) == (2.0, "x")
@@ -522,7 +524,7 @@ def test_the_two_claim_statements_share_their_ack_half():
     """ack_and_claim and ack_and_claim_limited (docs/flow-control.md, "Two claim
     statements") must ack, release and tag rows identically: the shared text is kept
     identical, so a change to one that is not made to the other fails here."""
-    from jobrunner.sqlfiles import query
+    from jobrunner.store.sqlfiles import query
 
     plain, limited = query("ack_and_claim"), query("ack_and_claim_limited")
 

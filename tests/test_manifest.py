@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobrunner.errors import BadInput
-from jobrunner.manifest import load_manifest, parse_batchrun
+from jobrunner.features.manifest import load_manifest, parse_batchrun
+from jobrunner.model.errors import BadInput
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -127,7 +127,7 @@ def test_every_example_manifest_parses():
             for run in runs:
                 parse_batchrun(run, source=str(path))
         for pool in (d for d in docs if d.get("kind") == "WorkerPool"):
-            from controller.workerpools import parse_workerpool
+            from jobrunner.operator.workerpool import parse_workerpool
 
             parse_workerpool(pool)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from jobrunner.migrate import _CREATE_VERSIONS, migrate, pending_migrations
-from jobrunner.sqlfiles import QUERY_FILES, migrations, queries
+from jobrunner.store.migrate import _CREATE_VERSIONS, migrate, pending_migrations
+from jobrunner.store.sqlfiles import QUERY_FILES, migrations, queries
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,7 +82,7 @@ def test_sql_ships_inside_the_wheel(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                     str(target), str(wheel)], check=True)
     probe = subprocess.run(
-        [sys.executable, "-c", "import jobrunner.sqlfiles as s; print(s.sql_dir()); "
+        [sys.executable, "-c", "import jobrunner.store.sqlfiles as s; print(s.sql_dir()); "
          "print(len(s.migrations()))"],
         capture_output=True, text=True, cwd=tmp_path, env={"PYTHONPATH": str(target)})
     assert probe.returncode == 0, probe.stderr
@@ -100,7 +100,7 @@ def test_the_claim_reads_the_partial_index_of_pending_rows(conn):
     # The generic plan the workers run (session settings as jobrunner/queue.py sets them):
     # with status a domain over text, `status = 'pending'` must still match the index
     # predicate.
-    from jobrunner.prepared import PreparedStatement
+    from jobrunner.store.prepared import PreparedStatement
 
     stmt = PreparedStatement("x", queries()["ack_and_claim"])
     conn.execute("SET plan_cache_mode = force_generic_plan")
@@ -119,7 +119,7 @@ def test_the_claim_reads_the_partial_index_of_pending_rows(conn):
 def test_upgrade_counts_the_tasks_of_existing_batches(empty_dsn):
     # Migration 0009 derives done from a per-batch task count; a database upgraded with
     # rows in it must start with the right counts.
-    from jobrunner.queue import Queue
+    from jobrunner.queue.client import Queue
 
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         conn.execute(_CREATE_VERSIONS)
@@ -146,7 +146,7 @@ def test_status_counts_read_only_the_unfinished_rows(conn):
     conn.execute("SET plan_cache_mode = force_generic_plan")
     conn.execute("SET enable_seqscan = off")
     conn.execute("SET enable_bitmapscan = off")
-    from jobrunner.prepared import PreparedStatement
+    from jobrunner.store.prepared import PreparedStatement
 
     conn.execute(b"PREPARE counts AS " + PreparedStatement("x", queries()["counts"]).sql)
     plan = "\n".join(r["QUERY PLAN"] for r in conn.execute("EXPLAIN EXECUTE counts('b')"))

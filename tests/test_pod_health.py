@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from controller.pods import classify, stuck_for
+from jobrunner.operator.pods import classify, stuck_for
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 

@@ -10,9 +10,9 @@ import json
 import psycopg
 import pytest
 
-from jobrunner.errors import BadInput
-from jobrunner.queue import Queue
-from jobrunner.validation import TaskSpec
+from jobrunner.model.errors import BadInput
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
 from tests.conftest import cli
 
 RECORD = "tests.support.handlers:record"
@@ -84,7 +84,7 @@ def test_handlers_of_many_batches_are_read_on_one_connection_that_survives_a_kil
     """A pool of many one-batch tenants: one connection for all the handler look-ups (a
     connection per batch held bench.pools' 1,000-tenant pool at 600-750 tasks/s), opened
     again when the server ends it."""
-    from jobrunner.pool_handlers import PoolHandlers
+    from jobrunner.worker.batch_handlers import PoolHandlers
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         q = Queue(conn)

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from jobrunner import pools
-from jobrunner.errors import BadInput
-from jobrunner.queue import Outcome, Queue
-from jobrunner.validation import TaskSpec
+from jobrunner.model.errors import BadInput
+from jobrunner.model.types import Outcome
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
+from jobrunner.store import workerpools as pools
 from tests.conftest import REPO, _spawned, child_env, cli, wait_for
 from tests.support import figures
 
@@ -329,7 +330,7 @@ def test_sigterm_gives_pool_tasks_back_without_using_attempts(dsn, conn, tmp_pat
 
 
 def test_a_pool_batch_with_a_reduce_step_is_reduced_once(dsn, conn, tmp_path):
-    from jobrunner.reduce import ReduceSpec
+    from jobrunner.features.reduce import ReduceSpec
 
     q = Queue(conn)
     q.enqueue("r1", "A", _tasks(30), pool="rp",
@@ -347,7 +348,7 @@ def test_a_pool_batch_with_a_reduce_step_is_reduced_once(dsn, conn, tmp_path):
 def test_the_pool_claim_shares_the_ack_and_shard_halves_of_ack_and_claim():
     """ack_and_claim_pool must ack, release and take shard leases exactly as ack_and_claim
     does: the shared text is kept identical, so a change to one fails here."""
-    from jobrunner.sqlfiles import query
+    from jobrunner.store.sqlfiles import query
 
     plain, pooled = query("ack_and_claim"), query("ack_and_claim_pool")
 
@@ -382,7 +383,7 @@ def test_cli_enqueue_into_a_pool_set_weight_and_show(dsn, conn):
 
 
 def test_a_generator_is_refused_on_a_pool_batch(conn):
-    from jobrunner import generators
+    from jobrunner.features import generators
 
     Queue(conn).enqueue("g", "A", _tasks(1), pool="gp")
     spec = generators.GeneratorSpec(handler="tests.support.handlers:noop")

@@ -9,9 +9,10 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from jobrunner.prepared import PreparedStatement
-from jobrunner.queue import Outcome, Queue
-from jobrunner.validation import TaskSpec
+from jobrunner.model.types import Outcome
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
+from jobrunner.store.prepared import PreparedStatement
 
 W1 = "worker-1-aaaaaa"
 

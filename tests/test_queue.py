@@ -6,9 +6,10 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from jobrunner.errors import BadInput, UnknownBatch
-from jobrunner.queue import Outcome, Queue, Timing
-from jobrunner.validation import TaskSpec
+from jobrunner.model.errors import BadInput, UnknownBatch
+from jobrunner.model.types import Outcome, Timing
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
 
 W1, W2 = "worker-1-aaaaaa", "worker-2-bbbbbb"
 

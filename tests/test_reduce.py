@@ -14,11 +14,11 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from jobrunner import reduce
-from jobrunner.errors import BadInput
-from jobrunner.queue import Queue
-from jobrunner.reduce import REDUCE_KEY, ReduceSpec
-from jobrunner.validation import TaskSpec
+from jobrunner.features import reduce
+from jobrunner.features.reduce import REDUCE_KEY, ReduceSpec
+from jobrunner.model.errors import BadInput
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
 from tests.conftest import child_env, cli, start_worker, wait_for
 from tests.support.reduce_handlers import SLEEP_ENV
 
@@ -388,8 +388,8 @@ def _reduce_state(**changes) -> reduce.ReduceState:
                                                "task_status": None}, ("Cancelled", "Cancelled")),
 ])
 def test_operator_phase_with_a_reduce(job, counts, state, expected):
-    from controller.handlers import _phase
-    from jobrunner.manifest import parse_batchrun
+    from jobrunner.features.manifest import parse_batchrun
+    from jobrunner.operator.batchrun import _phase
 
     run = parse_batchrun({"apiVersion": "jobrunner.dev/v1alpha1", "kind": "BatchRun",
                           "metadata": {"name": "r"},

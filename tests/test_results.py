@@ -17,10 +17,10 @@ import pytest
 
 import jobrunner
 from jobrunner import PermanentError, Task
-from jobrunner.openai_batch import OpenAIServerError, error_of, error_text, handle
-from jobrunner.queue import Queue
-from jobrunner.results import rows, top_errors, top_errors_status
-from jobrunner.validation import TaskSpec
+from jobrunner.features.openai_batch import OpenAIServerError, error_of, error_text, handle
+from jobrunner.features.results import rows, top_errors, top_errors_status
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
 from tests.conftest import child_env, cli, start_worker
 from tests.support.openai_server import OpenAITestServer, expected_body
 

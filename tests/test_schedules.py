@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.schedule_times import (
+from jobrunner.model.validation import TaskSpec
+from jobrunner.operator.schedule_times import (
     MAX_MISSED,
     BadSchedule,
     check_trigger_value,
@@ -19,8 +20,7 @@ from controller.schedule_times import (
     parse_schedule,
     run_name,
 )
-from jobrunner.queue import Queue
-from jobrunner.validation import TaskSpec
+from jobrunner.queue.client import Queue
 
 REPO = Path(__file__).resolve().parent.parent
 UTC = dt.UTC
@@ -218,7 +218,7 @@ def test_ticket_grading_schedule_example_matches_its_batchrun():
     """examples/tickets-schedule.yaml runs exactly examples/tickets.yaml every night: the
     template's spec is the BatchRun's (kept in step by this test), it parses as a
     BatchRun, and its schedule has a next start in its time zone."""
-    from jobrunner.manifest import parse_batchrun
+    from jobrunner.features.manifest import parse_batchrun
 
     sched = yaml.safe_load((REPO / "examples/tickets-schedule.yaml").read_text())
     run = yaml.safe_load((REPO / "examples/tickets.yaml").read_text())

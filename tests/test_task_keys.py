@@ -12,11 +12,11 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from jobrunner.migrate import _CREATE_VERSIONS, migrate
-from jobrunner.prepared import PreparedStatement
-from jobrunner.queue import Queue
-from jobrunner.sqlfiles import migrations, queries
-from jobrunner.validation import TaskSpec
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
+from jobrunner.store.migrate import _CREATE_VERSIONS, migrate
+from jobrunner.store.prepared import PreparedStatement
+from jobrunner.store.sqlfiles import migrations, queries
 
 W1 = "worker-1"
 

@@ -12,8 +12,8 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from jobrunner.queue import Queue
-from jobrunner.validation import TaskSpec
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
 from tests.conftest import child_env, start_worker, wait_for
 
 FAST = ["--visibility-timeout", "3", "--heartbeat", "1", "--backoff-base", "0.05",
@@ -321,7 +321,7 @@ def test_polling_finds_work_without_notify(dsn, conn, tmp_path):
 
 
 def test_worker_ids_are_unique_per_process_start():
-    from jobrunner.worker import default_worker_id
+    from jobrunner.worker.config import default_worker_id
 
     ids = {default_worker_id("pod-a") for _ in range(50)}
     assert len(ids) == 50 and all(i.startswith("pod-a-") for i in ids)

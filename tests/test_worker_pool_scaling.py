@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.scaling import ScaleDown, decide, want_for
+from jobrunner.operator.scaling import ScaleDown, decide, want_for
 
 BASE = {"per_replica": 2, "min_replicas": 0, "max_replicas": 3, "window": 30.0}
 

@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.jobs import build_job
-from controller.workerpools import (
+from jobrunner.features.manifest import parse_batchrun
+from jobrunner.model.errors import BadInput
+from jobrunner.operator.jobs import build_job
+from jobrunner.operator.workerpool import (
     HASH_ANNOTATION,
     build_deployment,
     deployment_name,
     parse_workerpool,
 )
-from jobrunner.errors import BadInput
-from jobrunner.manifest import parse_batchrun
 
 REPO = Path(__file__).resolve().parent.parent
 POOL = {"apiVersion": "jobrunner.dev/v1alpha1", "kind": "WorkerPool",
@@ -186,8 +186,8 @@ def _counts(**kw: int) -> dict[str, int]:
 
 
 def test_a_pool_runs_phase_comes_from_the_queue_alone():
-    from controller.handlers import _phase_of
-    from controller.pool_runs import phase
+    from jobrunner.operator.batchrun import _phase_of
+    from jobrunner.operator.batchrun_pools import phase
 
     run = run_with()
 

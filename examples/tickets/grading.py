@@ -23,8 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from jobrunner import Task, db
-from jobrunner.errors import PermanentError
+from jobrunner import PermanentError, Task, db
 
 SCHEMA = Path(__file__).with_name("schema.sql")
 

@@ -11,8 +11,8 @@ import time
 import psycopg
 from psycopg.rows import dict_row
 
-from controller.flowcontrol import cost_text
-from jobrunner import limits
+from jobrunner.operator.flowcontrol import cost_text
+from jobrunner.store import flowcontrol as limits
 from tests.support.limits_handlers import LOG_DDL
 
 from .operator_support import apply, batchrun, events_of, get, jobs_of, wait_phase

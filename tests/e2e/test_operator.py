@@ -11,7 +11,7 @@ import pytest
 import yaml
 from psycopg.rows import dict_row
 
-from jobrunner.queue import Queue
+from jobrunner.queue.client import Queue
 
 from .operator_support import (
     REPO,

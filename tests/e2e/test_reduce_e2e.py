@@ -10,8 +10,8 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from jobrunner.queue import Queue
-from jobrunner.reduce import REDUCE_KEY
+from jobrunner.features.reduce import REDUCE_KEY
+from jobrunner.queue.client import Queue
 
 from .operator_support import REPO, apply, batchrun, events_of, get, wait_phase
 

@@ -27,7 +27,7 @@ import time
 import psycopg
 from psycopg.rows import dict_row
 
-from jobrunner.queue import Queue
+from jobrunner.queue.client import Queue
 from tests.support.handlers import EXEC_LOG_DDL
 
 from .operator_support import events_of, get, pods_of, with_test_handlers

@@ -12,8 +12,8 @@ import time
 import psycopg
 from psycopg.rows import dict_row
 
-from jobrunner.generators import GENERATE_KEY
-from jobrunner.queue import Queue
+from jobrunner.features.generators import GENERATE_KEY
+from jobrunner.queue.client import Queue
 
 from .operator_support import REPO, apply, batchrun, events_of, get, wait_phase
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from jobrunner.embedded import PG_USER
+from jobrunner.local.embedded import PG_USER
 
 
 def available() -> bool:

@@ -40,7 +40,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from jobrunner.embedded import PG_USER, EmbeddedPostgres, free_port
+from jobrunner.local.embedded import PG_USER, EmbeddedPostgres, free_port
 
 REPLICATION_SETTINGS = """
 # written by tests/support/replicaset.py

@@ -22,8 +22,8 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from jobrunner.queue import Queue
-from jobrunner.validation import TaskSpec
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
 from tests.conftest import child_env, start_worker
 from tests.support.figures import show
 

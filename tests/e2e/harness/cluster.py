@@ -567,7 +567,7 @@ def main(argv=None) -> int:
     pg = None
     try:
         if not a.no_postgres:
-            from jobrunner.embedded import EmbeddedPostgres
+            from jobrunner.local.embedded import EmbeddedPostgres
 
             pg = EmbeddedPostgres(REPO_ROOT / ".e2e" / "postgres")
             pg.start()

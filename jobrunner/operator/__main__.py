@@ -1,0 +1,3 @@
+from jobrunner.operator.main import main
+
+main()

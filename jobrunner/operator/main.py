@@ -1,0 +1,70 @@
+"""`jobrunner-controller`: run the BatchRun operator (kopf) with metrics and health."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import kopf
+
+from jobrunner.model.logs import setup_logging
+from jobrunner.operator import metrics
+
+
+class _QuietTimer(logging.Filter):
+    """The status refresh succeeds every few seconds per run, and the schedules' watches
+    (which only wake a schedule's daemon) on every change: not worth a log line."""
+
+    QUIET = ("Timer 'refresh' succeeded", "Timer 'pool_scale' succeeded",
+             "Handler 'schedule_changed' succeeded", "Handler 'run_changed' succeeded")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.INFO
+                    and record.getMessage().startswith(self.QUIET))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="jobrunner-controller",
+                                     description="Run the jobrunner BatchRun operator.")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[],
+                       help="watch this namespace (repeatable); default: $WATCH_NAMESPACES")
+    scope.add_argument("--all-namespaces", "-A", action="store_true",
+                       help="watch BatchRuns in every namespace")
+    parser.add_argument("--peering", default=os.environ.get("JOBRUNNER_PEERING", "jobrunner"),
+                        help="kopf peering name: replicas with the same name never both act")
+    parser.add_argument("--standalone", action="store_true",
+                        help="no peering (a single replica, or tests)")
+    parser.add_argument("--priority", type=int, default=int(os.environ.get("JOBRUNNER_PRIORITY",
+                                                                           "0")))
+    parser.add_argument("--metrics-port", type=int,
+                        default=int(os.environ.get("JOBRUNNER_METRICS_PORT", "8080")))
+    parser.add_argument("--health-port", type=int,
+                        default=int(os.environ.get("JOBRUNNER_HEALTH_PORT", "8081")))
+    parser.add_argument("--log-format", default=os.environ.get("JOBRUNNER_LOG_FORMAT", "json"))
+    parser.add_argument("--log-level", default=os.environ.get("JOBRUNNER_LOG_LEVEL", "info"))
+    args = parser.parse_args(argv)
+
+    namespaces = args.namespace or [n for n in os.environ.get("WATCH_NAMESPACES", "").split(",")
+                                    if n.strip()]
+    clusterwide = args.all_namespaces or not namespaces
+    setup_logging(args.log_level, args.log_format)
+    logging.getLogger("kopf").setLevel(args.log_level.upper())
+    logging.getLogger("kopf.objects").addFilter(_QuietTimer())
+    # (importing registers the handlers of BatchRun, BatchRunSchedule and WorkerPool)
+
+    metrics.serve(args.metrics_port)
+    kopf.run(
+        clusterwide=clusterwide,
+        namespaces=[] if clusterwide else [n.strip() for n in namespaces],
+        standalone=args.standalone,
+        peering_name=None if args.standalone else args.peering,
+        priority=args.priority,
+        liveness_endpoint=(f"http://0.0.0.0:{args.health_port}/healthz"
+                           if args.health_port else None),
+    )
+
+
+if __name__ == "__main__":
+    main()

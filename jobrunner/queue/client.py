@@ -1,0 +1,667 @@
+"""Queue operations: a thin, typed layer over the named queries in sql/queries.sql.
+
+Every method is one short transaction. After a claim, every transition is fenced on
+(id, lease_owner, attempt): a worker that lost its lease gets nothing back and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import psycopg
+from psycopg.rows import RowFactory, dict_row, tuple_row
+
+from jobrunner.model import workerpools as pool_rules
+from jobrunner.model.errors import BadInput, UnknownBatch
+from jobrunner.model.types import STATUSES, EnqueueResult, Lease, Outcome, Timing
+from jobrunner.model.usage import BatchUsage
+from jobrunner.model.validation import (
+    RESERVED_KEYS,
+    TaskSpec,
+    check_identifier,
+    check_limit_names,
+    check_max_attempts,
+    check_tokens,
+    encode_payload,
+)
+from jobrunner.store import flowcontrol as flow
+from jobrunner.store import workerpools as pools
+from jobrunner.store.db import transaction_pooling
+from jobrunner.store.prepared import PreparedStatement
+from jobrunner.store.sqlfiles import query
+
+_SET_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
+# Session settings of a queue connection (see Queue._session_settings):
+# - statement_timeout: a stuck claim poll must not hang a worker.
+# - plan_cache_mode = force_generic_plan: the hot statements are planned once per
+#   connection. With custom plans PostgreSQL re-plans them on every execution, which
+#   cost more server CPU than executing them (measured: ~500 vs ~200 µs per claim).
+# - enable_seqscan, enable_bitmapscan, enable_sort = off: that one plan must not
+#   depend on the statistics of a table that swings from empty to millions of rows. A
+#   worker that starts on an empty queue would otherwise cache a plan that scans the
+#   table, or reads every pending row through another index and sorts them, and keep
+#   using it on 20,000 pending rows (measured: claims 10x slower, at random, until the
+#   plan happened to be invalidated). Every queue statement has an index path that
+#   needs no sort except the few rows of one claim (one_per_shard), which stays.
+# Without a timeout (None) the server's own statement_timeout is left alone.
+_SETTINGS = ("SELECT set_config('plan_cache_mode', 'force_generic_plan', %(local)s),"
+             " set_config('enable_seqscan', 'off', %(local)s),"
+             " set_config('enable_bitmapscan', 'off', %(local)s),"
+             " set_config('enable_sort', 'off', %(local)s),"
+             " CASE WHEN %(timeout)s::text IS NOT NULL"
+             " THEN set_config('statement_timeout', %(timeout)s::text, %(local)s) END")
+# The statement timeout each connection's session was given (see Queue._session_settings).
+_session_timeouts: weakref.WeakKeyDictionary[psycopg.Connection, str | None] = (
+    weakref.WeakKeyDictionary())
+_IDLE = psycopg.pq.TransactionStatus.IDLE
+_UNSET = object()
+# The statement a worker runs once per task (or per claimed batch): see jobrunner/prepared.py.
+# A batch under flow control (its tasks name limits, or it has a budget) is claimed with
+# ack_and_claim_limited instead (docs/flow-control.md).
+_ACK_AND_CLAIM = {name: PreparedStatement(f"jobrunner_{name}", query(name))
+                  for name in ("ack_and_claim", "ack_and_claim_limited", "ack_and_claim_pool")}
+_ACK_AND_CLAIM_BY_SQL = {query(name): prepared for name, prepared in _ACK_AND_CLAIM.items()}
+_PIPELINE = psycopg.Pipeline.is_supported()
+
+
+def _lease(row: tuple) -> Lease:
+    # Columns of ack_and_claim's result, in order (see sql/queries.sql).
+    # (ack_and_claim_pool adds the task's tag)
+    (_, id_, batch_id, key, tenant_id, shard_key, payload, attempt, max_attempts, until,
+     run_after) = row[:11]
+    return Lease(id=id_, batch_id=batch_id, key=key, tenant_id=tenant_id,
+                 shard_key=shard_key, payload=payload, attempt=attempt,
+                 max_attempts=max_attempts, locked_until=until, run_after=run_after,
+                 vtag=row[11] if len(row) > 11 else None)
+
+
+def _int_array(values: Iterable[int]) -> str:
+    """An int array as a PostgreSQL array literal: on the worker's hot path this is
+    several times cheaper to send than a Python list (the statement casts it)."""
+    return "{" + ",".join(str(int(v)) for v in values) + "}"
+
+
+class Queue:
+    """Queue operations on one connection (not shared between threads)."""
+
+    def __init__(self, conn: psycopg.Connection, timing: Timing | None = None,
+                 statement_timeout_ms: int | None = None) -> None:
+        self.conn = conn
+        self.timing = timing or Timing()
+        self.statement_timeout_ms = statement_timeout_ms
+        self._pooled = transaction_pooling()
+        # Per batch: where this connection's next claim starts scanning, and when it last
+        # scanned from the start (see "Scan position" in sql/queries.sql).
+        # (a pool's position is its claim order's: (vtag, id), keyed ("pool", name))
+        self._scan_from: dict[str | tuple[str, str], tuple[Any, int, float]] = {}
+        # After a claim that found nothing: seconds until a limit that is full now has
+        # room again (its 'wait' row), or None. The worker sleeps no longer than that.
+        self.limit_wait: float | None = None
+        # Batches known to be under flow control (claimed with ack_and_claim_limited), and
+        # when the others were last checked (batch_flow_control, at most once a second).
+        self._flow_batches: set[str] = set()
+        self._flow_checked: dict[str, float] = {}
+
+    def _cursor(self, row_factory: RowFactory = tuple_row) -> psycopg.Cursor:
+        # Rows of a known shape, whatever row factory the caller's connection has.
+        return self.conn.cursor(row_factory=row_factory)
+
+    # -- helpers -------------------------------------------------------------------
+    def _tx(self) -> psycopg.Transaction:
+        return self.conn.transaction()
+
+    def _limit_statement_time(self) -> None:
+        # SET LOCAL, not a session setting: it must also hold behind PgBouncer's
+        # transaction pooling, where the session is not ours between transactions.
+        if self.statement_timeout_ms:
+            self.conn.execute(_SET_TIMEOUT, (f"{self.statement_timeout_ms}ms",))
+
+    def _execute(self, sql: str, params: Any = None) -> psycopg.Cursor:
+        """One statement, rows as dicts (the connection's own row factory is not ours)."""
+        return self._cursor(dict_row).execute(sql, params)
+
+    def _one_round_trip(self, steps: Sequence[tuple[str, Any]],
+                        row_factory: RowFactory = tuple_row) -> list[psycopg.Cursor] | None:
+        """Run the steps as ONE transaction in ONE network round trip; returns a cursor
+        per step, or None when the connection is inside a transaction the caller opened
+        (the caller then runs the steps one by one, nested as a savepoint).
+
+        - The statement timeout and plan cache mode are session settings of this
+          connection, set once, so a single step (the worker's loop: `ack_and_claim`) is
+          one plain statement in autocommit: one implicit transaction, the cheapest form
+          for client and server.
+        - Behind a transaction pooler (db.transaction_pooling()) the session is not ours
+          between transactions: the settings are then SET LOCAL, sent in the same
+          pipeline as the steps. So are several steps: statements sent without a Sync between
+          them run as one implicit transaction that commits at the pipeline's single
+          Sync, so either every step commits or none does, and the local timeout holds
+          for all of them.
+        """
+        conn = self.conn
+        if conn.info.transaction_status != _IDLE:
+            return None
+        # In autocommit mode psycopg sends no BEGIN of its own (which it would wait for:
+        # a second round trip); the statement or the pipeline's Sync is the transaction.
+        was_autocommit = conn.autocommit
+        if not was_autocommit:
+            conn.autocommit = True
+        try:
+            if not self._pooled:
+                self._session_settings()
+                if len(steps) == 1:
+                    return [self._cursor(row_factory).execute(*steps[0])]
+            with conn.pipeline():
+                if self._pooled:
+                    conn.execute(_SETTINGS, {"local": True, "timeout": self._timeout()})
+                return [self._cursor(row_factory).execute(sql, params) for sql, params in steps]
+        finally:
+            if not was_autocommit and not conn.closed:
+                if conn.info.transaction_status != _IDLE:
+                    conn.rollback()
+                conn.autocommit = False
+
+    def _timeout(self) -> str | None:
+        return f"{self.statement_timeout_ms}ms" if self.statement_timeout_ms else None
+
+    def _session_settings(self) -> None:
+        """Give this connection's session the queue's settings, once (not used behind a
+        transaction pooler, where they are set locally in each transaction instead)."""
+        timeout = self._timeout()
+        if _session_timeouts.get(self.conn, _UNSET) != timeout:
+            if timeout is None and _session_timeouts.get(self.conn):
+                self.conn.execute("RESET statement_timeout")
+            self.conn.execute(_SETTINGS, {"local": False, "timeout": timeout})
+            _session_timeouts[self.conn] = timeout
+
+    # -- enqueue -------------------------------------------------------------------
+    def enqueue(self, batch_id: str, tenant_id: str, tasks: Iterable[TaskSpec],
+                max_attempts: int = 8, *, limits: Sequence[str] | None = None,
+                tokens: int | None = None,
+                reduce: dict[str, Any] | None = None, pool: str | None = None,
+                priority: int = 0, handler: str | None = None) -> EnqueueResult:
+        """Add tasks to a batch; tasks whose key already exists are left as they are.
+
+        `limits` and `tokens` are the batch's defaults (a BatchRun's): a task that names
+        no limits of its own draws from `limits`, and one without its own estimate is
+        charged `tokens`. Every limit named must exist (docs/flow-control.md), or
+        nothing is written. `reduce` (jobrunner/reduce.py, ReduceSpec.as_json()) gives the
+        batch its reduce step in the same transaction; once that reduce was enqueued, new
+        tasks are refused (they would never be reduced). `pool` puts the batch in a worker
+        pool with `priority` (jobrunner/pools.py: both fixed at its first enqueue), and
+        `handler` records the handler its tasks run with, for pool workers that serve
+        several (jobrunner/pool_handlers.py; set by the first enqueue that names one).
+
+        All rows are validated and encoded before the transaction starts; the insert
+        itself is a COPY into a temporary table and one INSERT, whose rows with a key
+        that exists are skipped by the task table's key trigger (migration 0017), so 100k
+        tasks take seconds and a failure writes nothing.
+        """
+        check_identifier(batch_id, "batch id")
+        check_identifier(tenant_id, "tenant id")
+        check_max_attempts(max_attempts)
+        if pool is not None:
+            pool_rules.check_pool(pool)
+        priority = pool_rules.check_priority(priority)
+        if handler is not None:
+            pool_rules.check_batch_handler(handler, pool)
+        default_limits = list(check_limit_names(limits, "batch limits") or ()) or None
+        default_tokens = check_tokens(tokens, "batch tokens") if tokens is not None else None
+        named: dict[str, str] = {name: "the batch's limits" for name in default_limits or ()}
+        rows = []
+        seen: set[str] = set()
+        for task in tasks:
+            key = check_identifier(task.key, "task key")
+            if key in RESERVED_KEYS:
+                raise BadInput(f"task key {key!r} is reserved for {RESERVED_KEYS[key]}")
+            if key in seen:
+                raise BadInput(f"duplicate task key {key!r} in one enqueue")
+            seen.add(key)
+            shard = task.shard_key or None
+            if shard is not None:
+                check_identifier(shard, f"shard key of task {key!r}")
+            payload = encode_payload(task.payload, f"payload of task {key!r}")
+            attempts = check_max_attempts(task.max_attempts) if task.max_attempts else max_attempts
+            own = check_limit_names(task.limits, f"limits of task {key!r}")
+            for name in own or ():
+                named.setdefault(name, f"task {key!r}")
+            estimate = (check_tokens(task.tokens, f"tokens of task {key!r}")
+                        if task.tokens is not None else default_tokens)
+            rows.append((key, shard, payload, attempts, list(own) if own else default_limits,
+                         estimate))
+        if pool is not None:
+            pool_rules.refuse_flow_control(batch_id, pool, named)
+        with self._tx():
+            batch = self._execute(query("ensure_batch" if pool is None else "ensure_pool_batch"),
+                                  {"batch_id": batch_id, "tenant_id": tenant_id, "pool": pool,
+                                   "priority": priority}).fetchone()
+            if batch["tenant_id"] != tenant_id:
+                raise BadInput(f"batch {batch_id!r} belongs to tenant {batch['tenant_id']!r}, "
+                               f"not {tenant_id!r}")
+            if batch["cancelled_at"] is not None and rows:
+                raise BadInput(f"batch {batch_id!r} was cancelled; enqueue under a new batch id")
+            pool_rules.check_batch_fits(batch_id, tenant_id, pool, priority, batch)
+            if handler is not None:
+                pools.set_batch_handler(self.conn, batch_id, handler)
+            flow.require_known(self.conn, named, named)
+            self._execute(query("enqueue_stage_table"))
+            with self.conn.cursor() as cur, cur.copy(
+                    "COPY jobrunner_enqueue_stage (task_key, shard_key, payload, max_attempts,"
+                    " limits, tokens) FROM STDIN") as copy:
+                # (the payload is already JSON text: sent as text, parsed by the server)
+                copy.set_types(["text", "text", "text", "int4", "text[]", "int8"])
+                for row in rows:
+                    copy.write_row(row)
+            if reduce is not None:
+                self._execute(query("batch_set_reduce"),
+                              {"batch_id": batch_id, "reduce": json.dumps(reduce)})
+            if pool is None:
+                new = self._execute(query("enqueue_from_stage"),
+                                    {"batch_id": batch_id, "tenant_id": tenant_id}
+                                    ).fetchone()["new"]
+            else:
+                new = pools.enqueue_staged(self.conn, batch_id, tenant_id, pool, priority)
+            # (a new statement: ensure_batch locked the batch row, so a reduce enqueued
+            # before is visible, and none can be enqueued until this commits)
+            if new and self._execute(query("batch_reduce_enqueued"),
+                                     {"batch_id": batch_id}).fetchone()["enqueued"]:
+                raise BadInput(f"batch {batch_id!r} was reduced already: its reduce step ran "
+                               "(or is running) over the tasks it had; enqueue under a new "
+                               "batch id")
+            if new:
+                self._execute(query("notify_batch"), {"batch_id": batch_id})
+        return EnqueueResult(new=new, existing=len(rows) - new)
+
+    # -- the lease life cycle ------------------------------------------------------
+    def claim(self, batch_id: str, worker_id: str, limit: int = 1) -> list[Lease]:
+        return self.complete_and_claim(worker_id, (), batch_id, limit)[1]
+
+    def _ack_and_claim_params(self, worker_id: str, successes: Sequence[Outcome],
+                              batch_id: str | None, limit: int,
+                              after: tuple[Any, int, float] | None = None,
+                              pool: str | None = None) -> dict[str, Any]:
+        if pool is not None:
+            return {"worker_id": worker_id, "pool": pool,
+                    "after_vtag": repr(after[0]) if after else "-Infinity",
+                    "after_id": after[1] if after else 0,
+                    "ids": _int_array(o.lease.id for o in successes),
+                    "attempts": _int_array(o.lease.attempt for o in successes),
+                    "results": "[" + ",".join(_encoded(o) for o in successes) + "]",
+                    "limit": limit, "visibility_timeout": self.timing.visibility_timeout}
+        return {"worker_id": worker_id,
+                "after_run_after": after[0] if after else "-infinity",
+                "after_id": after[1] if after else 0,
+                "ids": _int_array(o.lease.id for o in successes),
+                "attempts": _int_array(o.lease.attempt for o in successes),
+                "results": "[" + ",".join(_encoded(o) for o in successes) + "]",
+                "batch_id": batch_id or "", "limit": limit if batch_id is not None else 0,
+                "visibility_timeout": self.timing.visibility_timeout}
+
+    def heartbeat(self, worker_id: str, leases: Sequence[Lease]) -> set[int]:
+        """Renew leases; returns the ids still held (the others are lost)."""
+        if not leases:
+            return set()
+        params = {"worker_id": worker_id,
+                  "ids": [lease.id for lease in leases],
+                  "attempts": [lease.attempt for lease in leases],
+                  "visibility_timeout": self.timing.visibility_timeout}
+        cursors = self._one_round_trip([(query("heartbeat"), params)])
+        if cursors is not None:
+            return {r[0] for r in cursors[0].fetchall()}
+        with self._tx():
+            self._limit_statement_time()
+            rows = self._cursor().execute(query("heartbeat"), params).fetchall()
+        return {r[0] for r in rows}
+
+    def ack(self, worker_id: str, lease: Lease, result: Any = None) -> bool:
+        return lease.id in self.complete(worker_id, [Outcome(lease, True, result)])
+
+    def fail(self, worker_id: str, lease: Lease, error: str, *,
+             permanent: bool = False) -> str | None:
+        """Record a failed attempt; returns the new status, or None if the lease was lost."""
+        with self._tx():
+            row = self._fail(worker_id, Outcome(lease, False, error=error, permanent=permanent))
+        return row
+
+    def _fail_params(self, worker_id: str, outcome: Outcome) -> dict[str, Any]:
+        return {"id": outcome.lease.id, "attempt": outcome.lease.attempt,
+                "worker_id": worker_id, "error": (outcome.error or "failed")[:8000],
+                "permanent": outcome.permanent, "backoff_base": self.timing.backoff_base,
+                "backoff_cap": self.timing.backoff_cap}
+
+    def _fail(self, worker_id: str, outcome: Outcome) -> str | None:
+        row = self._execute(*self._failure_step(worker_id, outcome)).fetchone()
+        return row["status"] if row else None
+
+    def _failure_step(self, worker_id: str, outcome: Outcome) -> tuple[str, dict[str, Any]]:
+        """The statement that records a failed attempt: `fail`, or `throttle` for a
+        rate-limited one (which gives its attempt back)."""
+        params = self._fail_params(worker_id, outcome)
+        if outcome.throttle_after is None:
+            return query("fail"), params
+        return query("throttle"), {
+            "id": params["id"], "attempt": params["attempt"], "worker_id": worker_id,
+            "error": params["error"], "retry_after": float(outcome.throttle_after),
+            "max_throttles": self.timing.max_throttles}
+
+
+    def complete(self, worker_id: str, outcomes: Sequence[Outcome]) -> set[int]:
+        """Ack and fail many attempts in one transaction; returns the ids still held."""
+        kept, _ = self.complete_and_claim(worker_id, outcomes, None, 0)
+        return kept
+
+    def complete_and_claim(self, worker_id: str, outcomes: Sequence[Outcome],
+                           batch_id: str | None, limit: int, *, pool: str | None = None
+                           ) -> tuple[set[int], list[Lease]]:
+        """Finish the given attempts and claim up to `limit` new tasks; returns the ids
+        still held (acked or failed) and the new leases. An ack that finds its row
+        locked for a moment (see try_complete_and_claim) is sent again until it lands.
+        With `pool`, the claim takes tasks of every open batch of the pool, in its fair
+        order (jobrunner/pools.py), and batch_id is not used."""
+        kept, busy, leases = self.try_complete_and_claim(worker_id, outcomes, batch_id, limit,
+                                                         pool=pool)
+        delay = 0.001
+        while busy:
+            time.sleep(delay)
+            delay = min(0.05, delay * 2)
+            more, busy, _ = self.try_complete_and_claim(
+                worker_id, [o for o in outcomes if o.lease.id in busy], None, 0)
+            kept |= more
+        return kept, leases
+
+    def try_complete_and_claim(self, worker_id: str, outcomes: Sequence[Outcome],
+                               batch_id: str | None, limit: int, *, pool: str | None = None
+                               ) -> tuple[set[int], set[int], list[Lease]]:
+        """Finish the given attempts and claim up to `limit` new tasks in ONE transaction.
+
+        The acks and the claim are one statement (`ack_and_claim`), and any failures are
+        pipelined in front of it, so a loop costs one network round trip and one commit:
+        that is how a worker at claim batch size 1 gets past the two-commits-per-task
+        bound. Only when an ack released a shard and the claim came back short does a
+        second claim follow (see below).
+
+        Returns (kept, busy, leases): kept = attempts recorded (their leases were still
+        held), busy = successful attempts whose row another transaction held locked at
+        that instant (not recorded: send them again), leases = the new claims. An
+        outcome in neither kept nor busy had lost its lease.
+        """
+        if not outcomes and not limit:
+            return set(), set(), []
+        successes = [o for o in outcomes if o.ok]
+        failures = [o for o in outcomes if not o.ok]
+        claiming = bool(limit and (batch_id is not None or pool is not None))
+        target: str | tuple[str, str] | None = ("pool", pool) if pool is not None else batch_id
+        steps: list[tuple[str, Any]] = [self._failure_step(worker_id, f) for f in failures]
+        guarded = [(o, key) for o in successes for key in o.effects]
+        if guarded:
+            # In front of the ack, in its transaction: a success whose effects are not on
+            # this server (lost in a failover) is not acked but runs again.
+            steps.append((query("end_leases_missing_effects"), {
+                "worker_id": worker_id, "ids": _int_array(o.lease.id for o, _ in guarded),
+                "attempts": _int_array(o.lease.attempt for o, _ in guarded),
+                "effect_keys": [key for _, key in guarded]}))
+        after = self._scan_position(target) if claiming else None
+        if claiming:
+            self.limit_wait = None
+        if claiming and pool is not None:
+            statement = "ack_and_claim_pool"  # (no flow control in pools: jobrunner/pools.py)
+        elif claiming and self._flow_controlled(batch_id):
+            statement = "ack_and_claim_limited"
+        else:
+            statement = "ack_and_claim"
+        if successes or claiming:
+            steps.append((query(statement), self._ack_and_claim_params(
+                worker_id, successes, batch_id if claiming else None, limit, after,
+                pool if claiming else None)))
+        kept, busy, leases = self._run_completion(failures, steps)
+        if claiming and not leases and self.limit_wait is None \
+                and statement == "ack_and_claim_limited":
+            self.limit_wait = self._next_room()
+        if claiming and len(leases) < limit and any(
+                o.lease.shard_key and o.lease.id in kept for o in successes):
+            # The ack released a shard that the claim, reading the same snapshot, still
+            # saw as busy: claim again so that shard's next task is not left waiting.
+            again = self._ack_and_claim_params(worker_id, (), batch_id, limit - len(leases),
+                                               after, pool)
+            _, _, more = self._run_completion([], [(query(statement), again)])
+            leases = sorted(leases + more, key=lambda lease: lease.id)
+        if claiming:
+            self._remember_scan_position(target, after, leases, limit)
+        return kept, busy, leases
+
+    # A claim scans from the start of the batch at least this often (seconds).
+    FULL_SCAN_EVERY = 1.0
+    # A batch not (yet) under flow control is checked again this often (seconds).
+    FLOW_CHECK_EVERY = 1.0
+
+    def _next_room(self) -> float | None:
+        """Seconds until a full limit has room again (None: none is waiting for time)."""
+        cursors = self._one_round_trip([(query("limit_next_room"), None)])
+        cur = cursors[0] if cursors is not None else self._cursor().execute(
+            query("limit_next_room"))
+        seconds = cur.fetchone()[0]
+        return None if seconds is None else max(0.0, float(seconds))
+
+    def _flow_controlled(self, batch_id: str) -> bool:
+        """Whether the batch's claims must use ack_and_claim_limited: its tasks name
+        limits, or it has a budget (a flag that is only ever set). Checked on the first
+        claim and then at most once a second: tasks with limits enqueued, or a budget
+        set, while the batch runs are taken into account within a second (until then
+        its claims skip the tasks with limits, and do not check the budget)."""
+        if batch_id in self._flow_batches:
+            return True
+        now = time.monotonic()
+        if now - self._flow_checked.get(batch_id, -self.FLOW_CHECK_EVERY) < self.FLOW_CHECK_EVERY:
+            return False
+        cursors = self._one_round_trip([(query("batch_flow_control"), {"batch_id": batch_id})])
+        if cursors is not None:
+            flow = bool(cursors[0].fetchone()[0])
+        else:
+            flow = bool(self._cursor().execute(query("batch_flow_control"),
+                                               {"batch_id": batch_id}).fetchone()[0])
+        self._flow_checked[batch_id] = now
+        if flow:
+            self._flow_batches.add(batch_id)
+        return flow
+
+    def forget_scan_position(self, target: str | tuple[str, str]) -> None:
+        """The next claim scans from the start (tasks were laid before the position)."""
+        self._scan_from.pop(target, None)
+
+    def _scan_position(self, target: str | tuple[str, str]) -> tuple[Any, int, float] | None:
+        after = self._scan_from.get(target)
+        if after is None or time.monotonic() - after[2] >= self.FULL_SCAN_EVERY:
+            return None
+        return after
+
+    def _remember_scan_position(self, target: str | tuple[str, str], after: tuple | None,
+                                leases: list[Lease], limit: int) -> None:
+        pooled = isinstance(target, tuple)
+        if len(leases) < limit or any(
+                (lease.vtag if pooled else lease.run_after) is None for lease in leases):
+            self._scan_from.pop(target, None)  # short: the next claim starts over
+            return
+        if pooled:
+            last = max(leases, key=lambda lease: (lease.vtag, lease.id))
+            position: Any = last.vtag
+        else:
+            last = max(leases, key=lambda lease: (lease.run_after, lease.id))
+            position = last.run_after
+        full_scan_at = after[2] if after else time.monotonic()
+        self._scan_from[target] = (position, last.id, full_scan_at)
+
+    def _run_completion(self, failures: Sequence[Outcome], steps: list[tuple[str, Any]]
+                        ) -> tuple[set[int], set[int], list[Lease]]:
+        if not failures and len(steps) == 1 and self._direct():
+            # The worker's loop without failures: one prepared statement (jobrunner/prepared.py).
+            prepared = _ACK_AND_CLAIM_BY_SQL[steps[0][0]]
+            return self._completed(set(), prepared.execute(self.conn, steps[0][1]))
+        cursors = self._one_round_trip(steps)
+        if cursors is None:
+            with self._tx():
+                self._limit_statement_time()
+                return self._from_cursors(failures, [
+                    self._cursor().execute(sql, params) for sql, params in steps])
+        return self._from_cursors(failures, cursors)
+
+    def _direct(self) -> bool:
+        """Whether ack_and_claim may run as this connection's own prepared statement: not
+        behind a transaction pooler or with prepared statements turned off, and not inside
+        a transaction the caller opened (the statement must be its own transaction)."""
+        conn = self.conn
+        if (self._pooled or conn.prepare_threshold is None
+                or conn.pgconn.transaction_status != _IDLE):
+            return False
+        if conn.autocommit:
+            self._session_settings()
+        else:
+            # (not inside a transaction of psycopg's own, which would then hold the claim)
+            conn.autocommit = True
+            try:
+                self._session_settings()
+            finally:
+                conn.autocommit = False
+        return True
+
+    def _from_cursors(self, failures: Sequence[Outcome], cursors: Sequence[psycopg.Cursor]
+                      ) -> tuple[set[int], set[int], list[Lease]]:
+        failed = {failure.lease.id for failure, cur in zip(failures, cursors, strict=False)
+                  if cur.fetchone() is not None}
+        rows = cursors[-1].fetchall() if len(cursors) > len(failures) else []
+        return self._completed(failed, rows)
+
+    def _completed(self, failed: set[int], rows: Sequence[tuple]
+                   ) -> tuple[set[int], set[int], list[Lease]]:
+        """Sort ack_and_claim's rows (see sql/queries.sql) into kept, busy and leases
+        (and a 'wait' row into limit_wait)."""
+        kept = failed
+        busy: set[int] = set()
+        leases: list[Lease] = []
+        for row in rows:
+            outcome = row[0]
+            if outcome == "leased":
+                leases.append(_lease(row))
+            elif outcome == "acked":
+                kept.add(row[1])
+            elif outcome == "wait":
+                self.limit_wait = 0.0  # every lane of a limit was busy: come back at once
+            else:
+                busy.add(row[1])
+        leases.sort(key=lambda lease: lease.id)
+        return kept, busy, leases
+
+    def release(self, worker_id: str, leases: Sequence[Lease]) -> set[int]:
+        """Give leases back without burning an attempt (graceful shutdown)."""
+        if not leases:
+            return set()
+        with self._tx():
+            rows = self._execute(query("release"), {
+                "worker_id": worker_id, "ids": [lease.id for lease in leases],
+                "attempts": [lease.attempt for lease in leases]}).fetchall()
+        return {r["id"] for r in rows}
+
+    def expire(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """Return expired leases to pending (or dead); any worker may call this."""
+        cursors = self._one_round_trip([(query("expire"), {"limit": limit})], dict_row)
+        if cursors is not None:
+            return cursors[0].fetchall()
+        with self._tx():
+            self._limit_statement_time()
+            return self._cursor(dict_row).execute(query("expire"), {"limit": limit}).fetchall()
+
+    # -- batch administration ------------------------------------------------------
+    def batch(self, batch_id: str) -> dict[str, Any]:
+        with self._tx():
+            row = self._execute(query("get_batch"), {"batch_id": batch_id}).fetchone()
+        if row is None:
+            raise UnknownBatch(batch_id)
+        return row
+
+    def cancel(self, batch_id: str) -> int:
+        self.batch(batch_id)
+        with self._tx():
+            return self._execute(query("cancel_batch"), {"batch_id": batch_id}).rowcount
+
+    def requeue_dead(self, batch_id: str, task_keys: Sequence[str] | None = None) -> int:
+        self.batch(batch_id)
+        with self._tx():
+            count = self._execute(query("requeue_dead"), {
+                "batch_id": batch_id,
+                "task_keys": list(task_keys) if task_keys else None}).rowcount
+            if count:
+                self._execute(query("notify_batch"), {"batch_id": batch_id})
+        return count
+
+    def list_dead(self, batch_id: str, limit: int = 1000) -> list[dict[str, Any]]:
+        self.batch(batch_id)
+        with self._tx():
+            return self._execute(query("list_dead"),
+                                     {"batch_id": batch_id, "limit": limit}).fetchall()
+
+    def batch_open(self, batch_id: str) -> bool:
+        """True while the batch has pending (due now or later) or leased tasks."""
+        with self._tx():
+            return bool(self._execute(query("batch_open"),
+                                          {"batch_id": batch_id}).fetchone()["open"])
+
+    def counts(self, batch_id: str) -> dict[str, int]:
+        with self._tx():
+            row = self._execute(query("counts"), {"batch_id": batch_id}).fetchone()
+        return {status: int(row[status]) for status in STATUSES}
+
+    def health(self, batch_id: str) -> dict[str, Any]:
+        with self._tx():
+            row = self._execute(query("batch_health"), {"batch_id": batch_id}).fetchone()
+        return {
+            "stuck": int(row["stuck"]),
+            "ready": int(row["ready"]),
+            "oldest_pending_seconds": _float(row["oldest_pending_seconds"]),
+            "next_run_in_seconds": _float(row["next_run_in_seconds"]),
+        }
+
+    # -- flow control (jobrunner/limits.py) ----------------------------------------------
+    def set_budget(self, batch_id: str, *, tokens: int | None = None,
+                   cost: float | str | None = None) -> None:
+        """Set or raise a batch's budget of tokens and/or cost (None: keep the current
+        one). Its claims stop while its reported usage is at or over it."""
+        flow.set_budget(self.conn, batch_id, tokens=tokens, cost=cost)
+
+    def usage(self, batch_id: str, *, by_status: bool = True) -> BatchUsage:
+        """The batch's tokens and cost (total, and by task status), its budget, and
+        whether the budget is exhausted (its claims stopped)."""
+        return flow.batch_usage(self.conn, batch_id, by_status=by_status)
+
+    def retention(self, older_than_seconds: float, *, include_dead: bool = False,
+                  archive: bool = False, batch_size: int = 1000) -> int:
+        """Delete (or archive) finished rows older than the cut-off, in small batches."""
+        statuses = ["done", "cancelled", *(["dead"] if include_dead else [])]
+        total = 0
+        while True:
+            with self._tx():
+                deleted = self._execute(query("retention_delete"), {
+                    "statuses": statuses, "older_than_seconds": older_than_seconds,
+                    "limit": batch_size, "archive": archive}).rowcount
+            total += deleted
+            if deleted < batch_size:
+                return total
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+_encode_json = json.JSONEncoder(allow_nan=False).encode
+
+
+def dumps_result(value: Any) -> str:
+    """A handler's return value as JSON; raises TypeError/ValueError if it is not JSON."""
+    # (json.dumps builds a new encoder on every call when given any option)
+    return "null" if value is None else _encode_json(value)
+
+
+def _encoded(outcome: Outcome) -> str:
+    return outcome.encoded if outcome.encoded is not None else dumps_result(outcome.result)

@@ -1,0 +1,78 @@
+"""A worker process's settings and its id."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobrunner.model.errors import BadInput
+from jobrunner.model.types import Timing
+from jobrunner.runtime.task import Task
+
+
+def default_worker_id(base: str | None = None) -> str:
+    """Unique per process start: a restarted pod with the same name is a new owner."""
+    base = base or os.environ.get("JOBRUNNER_WORKER_ID") or f"{socket.gethostname()}-{os.getpid()}"
+    return f"{base}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class WorkerConfig:
+    dsn: str
+    batch_id: str | None  # None: a pool worker (pool below)
+    handler: Callable[[Task], Any]
+    worker_id: str = field(default_factory=default_worker_id)
+    concurrency: int = 1
+    batch_size: int = 1
+    visibility_timeout: float = 600.0
+    heartbeat_interval: float | None = None  # default: visibility_timeout / 3
+    backoff_base: float = 1.0
+    backoff_cap: float = 3600.0
+    max_throttles: int = 20  # rate-limited answers (RateLimited, exit 76) before dead
+    exit_when_drained: bool = False
+    idle_poll: tuple[float, float] = (0.2, 0.5)
+    expire_interval: float = 1.0
+    grace_period: float = 30.0
+    lost_lease_grace: float = 10.0
+    claim_timeout_ms: int = 5000
+    heartbeat_timeout_ms: int = 3000
+    listen: bool = True
+    max_tasks: int | None = None
+    # A finished task's ack may wait this long while the worker still has claimed tasks
+    # to start, so that the acks of a claimed batch go out together with the next claim
+    # (one round trip, one commit). Its lease is heartbeated meanwhile.
+    max_ack_delay: float = 0.5
+    # Claim across every open batch of this pool instead of one batch (jobrunner/pools.py).
+    pool: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.batch_id is None) == (self.pool is None):
+            raise BadInput("a worker serves either one batch or one pool: give exactly one "
+                           "of batch_id and pool")
+        if self.heartbeat_interval is None:
+            self.heartbeat_interval = self.visibility_timeout / 3
+        checks = [
+            (self.concurrency >= 1, "concurrency must be at least 1"),
+            (self.concurrency <= 1000, "concurrency must be at most 1000"),
+            (1 <= self.batch_size <= 1000, "batch size must be between 1 and 1000"),
+            (0 < self.visibility_timeout <= 7 * 86400,
+             "visibility timeout must be > 0 and at most 7 days"),
+            (0 < self.heartbeat_interval < self.visibility_timeout / 2,
+             "heartbeat interval must be > 0 and less than half the visibility timeout"),
+            (self.backoff_base > 0 and self.backoff_cap >= self.backoff_base,
+             "backoff base must be > 0 and the cap at least the base"),
+            (self.grace_period >= 0, "grace period must not be negative"),
+            (1 <= self.max_throttles <= 10000, "max throttles must be between 1 and 10000"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise BadInput(message)
+
+    @property
+    def timing(self) -> Timing:
+        return Timing(self.visibility_timeout, self.backoff_base, self.backoff_cap,
+                      self.max_throttles)

@@ -1,0 +1,143 @@
+"""The executor: runs claimed tasks on a pool of handler threads, outside any transaction.
+
+Guarantees:
+- Each attempt ends in exactly one Outcome, handed to the completer: success (the
+  result encoded as JSON), a retryable failure (anything raised, LeaseLost included), or
+  a permanent one (PermanentError, or a result that is not JSON: retrying the same code
+  cannot fix it).
+- A task whose lease is lost is stopped, and its outcome never acked (the completer
+  drops it). The heartbeat sets task.lease_lost; the handlers (jobrunner/handlers.py)
+  watch it: an async handler is cancelled, a command killed, a cooperative sync handler
+  raises LeaseLost from task.check_lease(). A sync handler that ignores it cannot be
+  stopped from another thread: after lost_lease_grace seconds the worker is marked
+  wedged, stops claiming and exits with EXIT_WEDGED so that its supervisor replaces
+  the process.
+- A handler thread that finishes a task asks for its next one (`next_task`) before it
+  gives its concurrency slot back, so a busy worker runs task after task with one
+  statement between them (the ack of one and the claim of the next) and no hop through
+  the claim loop. The claim loop is woken when the thread stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from jobrunner.model.errors import LeaseLost, PermanentError, RateLimited
+from jobrunner.model.types import Lease, Outcome
+from jobrunner.queue.client import dumps_result
+from jobrunner.runtime.task import Task
+from jobrunner.store import db
+from jobrunner.store import flowcontrol as limits
+from jobrunner.worker.completer import Completer
+from jobrunner.worker.state import Running, WorkerState
+
+log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker logs on)
+
+EXIT_WEDGED = 70  # a handler ignored the loss of its lease; the process must be replaced
+
+
+class Executor:
+    def __init__(self, state: WorkerState, completer: Completer,
+                 handler: Callable[[Task], Any], concurrency: int,
+                 lost_lease_grace: float) -> None:
+        self.state = state
+        self.completer = completer
+        self.handler = handler
+        self.lost_lease_grace = lost_lease_grace
+        self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="handler")
+
+    def start(self, entry: Running, next_task: Callable[[], Running | None]) -> None:
+        """Run entry's task on a handler thread, then whatever next_task gives it. The
+        caller has counted the thread in state.active; the thread uncounts itself."""
+        entry.future = self.pool.submit(self._run, entry.lease, entry.task, next_task)
+
+    def _run(self, lease: Lease, task: Task, next_task: Callable[[], Running | None]) -> None:
+        record, outcome = self.completer.record, self.outcome
+        try:
+            while True:
+                record(outcome(lease, task))
+                entry = next_task()
+                if entry is None:
+                    break
+                lease, task = entry.lease, entry.task
+        finally:
+            state = self.state
+            with state.lock:
+                state.active -= 1
+            state.wake.set()
+
+    def outcome(self, lease: Lease, task: Task) -> Outcome:
+        """Run the handler once and say how the attempt ended."""
+        try:
+            result = self.handler(task)
+        except LeaseLost as exc:
+            return Outcome(lease, False, error=str(exc))
+        except PermanentError as exc:
+            return Outcome(lease, False, error=describe(exc), permanent=True)
+        except RateLimited as exc:
+            return self._rate_limited(lease, task, exc)
+        except BaseException as exc:
+            return Outcome(lease, False, error=describe(exc))
+        if task.lease_lost.is_set():
+            return Outcome(lease, False, error="lease lost while the handler ran")
+        try:
+            encoded = dumps_result(result)
+        except (TypeError, ValueError) as exc:
+            # Retrying cannot fix this: the handler's code returns the wrong type.
+            return Outcome(lease, False, permanent=True,
+                           error=f"handler returned a value that is not JSON: {exc}")
+        return Outcome(lease, True, result=result, encoded=encoded, effects=task.effect_keys)
+
+    def _rate_limited(self, lease: Lease, task: Task, exc: RateLimited) -> Outcome:
+        """Block the limit for every worker now (its own transaction: the claim must see
+        it before this outcome is even sent), then give the task back to pending after
+        retry_after without using an attempt (the `throttle` query)."""
+        effects = task._effects
+        if effects is not None:
+            try:
+                blocked = db.retrying(lambda: effects.run(
+                    lambda conn: limits.block_limits(conn, task.id, exc)), attempts=3)
+                if blocked:
+                    log.info("task %s: rate limited; limit(s) %s blocked for %.1fs", task.key,
+                             ", ".join(blocked), exc.retry_after)
+            except Exception as error:
+                log.warning("task %s: rate limited, but its limits could not be blocked: %s",
+                            task.key, error)
+        return Outcome(lease, False, error=describe(exc), throttle_after=exc.retry_after)
+
+    def check_wedged(self) -> None:
+        """A sync handler cannot be killed from another thread; if it ignores the loss of
+        its lease for too long, stop this process so its supervisor replaces it."""
+        state = self.state
+        now = time.monotonic()
+        with state.lock:
+            entries = list(state.running.values())
+        for entry in entries:
+            if entry.task.lease_lost.is_set():
+                entry.lost_at = entry.lost_at or now
+                if now - entry.lost_at > self.lost_lease_grace and not state.wedged:
+                    log.error("task %s ignored the loss of its lease for %.0fs; this worker "
+                              "stops claiming and exits with code %d", entry.lease.key,
+                              self.lost_lease_grace, EXIT_WEDGED)
+                    state.wedged = True
+                    state.force_stop.set()
+
+    def shutdown(self) -> None:
+        # (not waiting: a thread stuck in a handler that ignores its lost lease never ends)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as a task's last_error: type, message and where it was raised."""
+    text = f"{type(exc).__name__}: {exc}"
+    tb = traceback.extract_tb(exc.__traceback__)
+    if tb:
+        frame = tb[-1]
+        text += f" (at {os.path.basename(frame.filename)}:{frame.lineno})"
+    return text[:4000]

@@ -1,0 +1,156 @@
+"""The worker: a thin coordinator of the roles that claim, run and record tasks.
+
+Roles (each module's docstring states its guarantees):
+- producer.py: the claim loop (the acks of finished tasks and the next claim in one
+  statement, Queue.try_complete_and_claim), the hand-off of claimed tasks to handler
+  threads, LISTEN/NOTIFY wake-ups and the idle poll;
+- executor.py: runs one task on a handler thread, outside any transaction, into an
+  Outcome; a thread that finishes goes on to its next task itself; lost leases;
+- completer.py: queues outcomes so that their acks ride along with the next claim;
+- heartbeat.py: a thread on its own connection that renews every lease the worker
+  holds, and runs maintenance.py (rescuing expired leases of dead workers);
+- workerstate.py: what the worker holds (buffer, running, unacked) under one lock;
+  connection.py: the queue connection the producer, handler threads and shutdown share.
+
+This module wires them together and owns the lifecycle: start the threads, run the
+claim loop, and on SIGTERM stop claiming, let running tasks finish for a grace period,
+give back the rest without burning an attempt, exit 0 (70 when a handler ignored the
+loss of its lease: the process must be replaced).
+
+Guarantee: at-least-once. A crash (kill -9, node loss) leaves leases that expire
+after visibility_timeout and are claimed again; see docs/guarantees.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jobrunner.features.generators import WithGenerator
+from jobrunner.features.reduce import WithReduce
+from jobrunner.runtime.effects import Effects
+from jobrunner.worker.completer import Completer
+from jobrunner.worker.config import WorkerConfig, default_worker_id
+from jobrunner.worker.connection import QueueConnection
+from jobrunner.worker.executor import EXIT_WEDGED, Executor
+from jobrunner.worker.heartbeat import Heartbeat
+from jobrunner.worker.maintenance import LeaseRescuer
+from jobrunner.worker.producer import Producer
+from jobrunner.worker.state import WorkerState
+
+__all__ = ["EXIT_OK", "EXIT_WEDGED", "Worker", "WorkerConfig", "default_worker_id",
+           "install_signal_handlers", "run_worker"]
+
+log = logging.getLogger("jobrunner.worker")
+
+EXIT_OK = 0
+
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.worker_id = config.worker_id
+        self.state = WorkerState()
+        self.stats = self.state.stats
+        self.effects = Effects(config.dsn, max_connections=config.concurrency)
+        self.conn = QueueConnection(config.dsn, config.timing, config.claim_timeout_ms,
+                                    config.worker_id, self.state.force_stop)
+        self.completer = Completer(self.state, self.conn, config.worker_id,
+                                   config.max_ack_delay)
+        # (the batch's reduce task, when it comes, runs the batch's reduce step; its
+        # generator task, the batch's generator)
+        self.executor = Executor(self.state, self.completer,
+                                 WithGenerator(WithReduce(config.handler, config.dsn),
+                                               config.dsn),
+                                 config.concurrency, config.lost_lease_grace)
+        self.producer = Producer(config, self.state, self.conn, self.completer,
+                                 self.executor, self.effects)
+        self.heartbeat = Heartbeat(config, self.state,
+                                   LeaseRescuer(config.expire_interval, config.batch_id,
+                                                config.pool))
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def wedged(self) -> bool:
+        return self.state.wedged
+
+    def run(self) -> int:
+        cfg = self.config
+        log.info("worker %s: %s, concurrency %d, claim batch %d, visibility %.0fs, "
+                 "heartbeat %.0fs", self.worker_id,
+                 f"pool {cfg.pool}" if cfg.pool else f"batch {cfg.batch_id}", cfg.concurrency,
+                 cfg.batch_size, cfg.visibility_timeout, cfg.heartbeat_interval)
+        self._start_thread(self.heartbeat.run, "heartbeat")
+        if cfg.listen:
+            self._start_thread(self.producer.listen, "listen")
+        try:
+            self.producer.run()
+        finally:
+            self._shutdown()
+        return EXIT_WEDGED if self.state.wedged else EXIT_OK
+
+    def _start_thread(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # -- shutdown ----------------------------------------------------------------------
+    def request_stop(self, *_: Any) -> None:
+        state = self.state
+        if state.stopping.is_set():
+            log.warning("second stop signal: giving back running tasks now")
+            state.force_stop.set()
+        state.stopping.set()
+        state.wake.set()
+
+    def _shutdown(self) -> None:
+        state = self.state
+        state.closing.set()  # handler threads finish their task and take no other
+        deadline = time.monotonic() + self.config.grace_period
+        while (state.running_count() and time.monotonic() < deadline
+               and not state.force_stop.is_set()):
+            self.completer.flush()
+            self.executor.check_wedged()
+            state.sleep(0.1)
+        # A handler thread may be in the middle of an ack+claim: wait for it, so that
+        # what it claimed is in the buffer and given back below.
+        locked = self.conn.lock.acquire(timeout=5)
+        if not locked:
+            state.force_stop.set()  # one retrying an unreachable database gives up
+            locked = self.conn.lock.acquire(timeout=5)
+        try:
+            try:
+                self.completer.flush(db_locked=True)
+            except Exception:
+                pass
+            with state.lock:
+                leftovers = list(state.running.values())
+                unstarted, state.buffer = state.buffer, []
+            for entry in leftovers:
+                entry.task.lease_lost.set()  # tells cooperative handlers and commands to stop
+            self.producer.release([e.lease for e in leftovers if not e.lost_at] + unstarted,
+                                  db_locked=True)  # not locked: the other thread gave up
+        finally:
+            if locked:
+                self.conn.lock.release()
+        state.force_stop.set()
+        self.executor.shutdown()
+        self.effects.close()
+        self.conn.drop()
+        log.info("worker %s stopped: %s", self.worker_id, self.stats)
+
+
+def install_signal_handlers(worker: Worker) -> None:
+    signal.signal(signal.SIGTERM, worker.request_stop)
+    signal.signal(signal.SIGINT, worker.request_stop)
+
+
+def run_worker(config: WorkerConfig) -> int:
+    worker = Worker(config)
+    install_signal_handlers(worker)
+    return worker.run()

@@ -1,0 +1,267 @@
+"""The producer: claims tasks and hands them to the executor's handler threads.
+
+Guarantees:
+- A claim is one short transaction that commits before any handler runs, and carries
+  the acks of what finished (Queue.try_complete_and_claim): a busy worker spends one
+  statement per claim, acks included.
+- Every claim asks for what `ClaimParams` says, from `_complete_and_claim`: the claim
+  loop and the handler threads' next-task claims go through that one place.
+- It claims only when the buffer of claimed, unstarted tasks is empty: the claim loop
+  when a slot is free too, a handler thread when it has just finished a task (its slot
+  is the free one). Tasks wait in the buffer, heartbeated, only for a slot to free up.
+- Idle, it sleeps idle_poll with jitter; a NOTIFY for its batch (the LISTEN thread)
+  wakes it early, and polling covers every NOTIFY that is lost (a reconnect,
+  PgBouncer's transaction pooling).
+- After max_tasks claims it claims no more and gives back what it has not started;
+  with exit_when_drained it returns once a claim found nothing and the batch has
+  nothing pending or leased. `release` gives leases back without burning an attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from jobrunner.features.reduce import drain_open
+from jobrunner.features.workerpools import pool_open
+from jobrunner.model.types import Lease, Outcome
+from jobrunner.queue.client import Queue
+from jobrunner.runtime.effects import Effects
+from jobrunner.runtime.task import Task
+from jobrunner.store import db
+from jobrunner.worker.completer import Completer
+from jobrunner.worker.connection import QueueConnection
+from jobrunner.worker.executor import Executor
+from jobrunner.worker.state import Running, WorkerState
+
+if TYPE_CHECKING:
+    from jobrunner.worker.config import WorkerConfig
+
+log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker logs on)
+
+_NONE_BUSY: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimParams:
+    """What every claim of this worker asks the queue for. Flow-control limits and claims
+    across a pool's batches belong here, and in the one statement that sends them
+    (Producer._complete_and_claim), the LISTEN filter and the drain check."""
+
+    worker_id: str
+    batch_id: str | None  # None: a pool worker
+    limit: int  # the claim batch size: at most this many tasks per claim
+    pool: str | None = None  # claim across every open batch of this pool (jobrunner/pools.py)
+
+    @classmethod
+    def of(cls, config: WorkerConfig) -> ClaimParams:
+        return cls(config.worker_id, config.batch_id, config.batch_size, config.pool)
+
+    @property
+    def target(self) -> str:
+        return f"pool {self.pool}" if self.pool is not None else f"batch {self.batch_id}"
+
+
+class Producer:
+    def __init__(self, config: WorkerConfig, state: WorkerState, conn: QueueConnection,
+                 completer: Completer, executor: Executor, effects: Effects) -> None:
+        self.config = config
+        self.claim = ClaimParams.of(config)
+        self.state = state
+        self.conn = conn
+        self.completer = completer
+        self.executor = executor
+        self.effects = effects
+        self._next_task = self.next_task  # (bound once, not per handler thread started)
+        # From the last claim that found nothing: seconds until a full limit has room
+        # (Queue.limit_wait), so the idle sleep ends then instead of a poll later.
+        self.limit_wait: float | None = None
+        # Set by the LISTEN thread when tasks were enqueued into the pool: they may be laid
+        # before this worker's scan position, so the next claim scans from the start.
+        self._rescan = threading.Event()
+
+    # -- the claim loop ----------------------------------------------------------------
+    def run(self) -> None:
+        """Claim and start tasks until stopped, wedged, drained, or past max_tasks with
+        nothing left in flight. What finished is acked before it returns, unless the
+        database is gone; running tasks are the coordinator's to wind down."""
+        cfg, state, completer = self.config, self.state, self.completer
+        while True:
+            self.executor.check_wedged()
+            if state.force_stop.is_set() or state.stopping.is_set() or state.wedged:
+                completer.flush()
+                return
+            stop_claiming = self._reached_max()
+            if stop_claiming and state.buffer:
+                with state.lock:
+                    unstarted, state.buffer = state.buffer, []
+                self.release(unstarted)
+            want = 0
+            if not stop_claiming and not state.buffer and self._free_slots() > 0:
+                want = self.claim.limit
+            # Acks ride along with the next claim; they wait (at most max_ack_delay) only
+            # while claimed tasks are still being started from the local buffer.
+            outcomes = completer.due(want > 0 or stop_claiming)
+            claimed: list[Lease] = []
+            if outcomes or want:
+                claimed = self._complete_and_claim(outcomes, want, wait_busy=True)
+            self._start_from_buffer()
+            if stop_claiming and not state.in_flight() and not state.unacked:
+                return
+            if claimed:
+                continue
+            if state.in_flight() or state.unacked:
+                wait = cfg.idle_poll[1]
+                if state.unacked:
+                    wait = completer.wait_left(wait)
+                state.sleep(self._until_room(wait) if want else wait)
+                continue
+            if want and cfg.exit_when_drained and not self._batch_open():
+                log.info("worker %s: %s is drained; exiting", self.claim.worker_id,
+                         self.claim.target)
+                return
+            state.sleep(self._until_room(random.uniform(*cfg.idle_poll)))
+
+    def _until_room(self, wait: float) -> float:
+        """The idle sleep, cut short to when a full limit has room again: a limit paced at
+        one request per 100 ms must not wait for a 200-500 ms poll to be used."""
+        room = self.limit_wait
+        if room is None:
+            return wait
+        return min(wait, max(0.002, room) + random.uniform(0, 0.002))
+
+    def _complete_and_claim(self, outcomes: list[Outcome], limit: int, *,
+                            wait_busy: bool) -> list[Lease]:
+        """THE claim: record `outcomes` and claim up to `limit` tasks in one statement.
+        With wait_busy (the claim loop) a busy ack is sent again until it lands; without
+        (a handler thread) it goes back to the completer for the next statement."""
+        claim = self.claim
+
+        def op(q: Queue) -> list[Lease]:
+            if claim.pool is not None and limit and self._rescan.is_set():
+                self._rescan.clear()
+                q.forget_scan_position(("pool", claim.pool))
+            if wait_busy:
+                kept, leases = q.complete_and_claim(claim.worker_id, outcomes, claim.batch_id,
+                                                    limit, pool=claim.pool)
+                self.limit_wait = q.limit_wait if limit else self.limit_wait
+                return self._claimed(outcomes, kept, leases, _NONE_BUSY)
+            kept, busy, leases = q.try_complete_and_claim(claim.worker_id, outcomes,
+                                                          claim.batch_id, limit,
+                                                          pool=claim.pool)
+            self.limit_wait = q.limit_wait if limit else self.limit_wait
+            return self._claimed(outcomes, kept, leases, busy)
+
+        return self.conn.run(op, "complete/claim")
+
+    def _claimed(self, outcomes: list[Outcome], kept: set[int], claimed: list[Lease],
+                 busy: frozenset[int] | set[int]) -> list[Lease]:
+        """Record a complete_and_claim's result. Runs while the caller holds the
+        connection's lock, so shutdown (which takes it) always finds new claims in the
+        buffer."""
+        self.completer.settle(outcomes, kept, busy)
+        state = self.state
+        with state.lock:
+            state.buffer.extend(claimed)
+            state.stats["claimed"] += len(claimed)
+        return claimed
+
+    def _reached_max(self) -> bool:
+        limit = self.config.max_tasks
+        return limit is not None and self.state.stats["claimed"] >= limit
+
+    def _free_slots(self) -> int:
+        state = self.state
+        with state.lock:
+            return self.config.concurrency - state.active
+
+    def _batch_open(self) -> bool:
+        # (a reduce still to run keeps the batch open: reduce.drain_open enqueues it)
+        pool = self.claim.pool
+        if pool is not None:
+            return self.conn.run(lambda q: pool_open(q, pool), "drain check")
+        return self.conn.run(lambda q: drain_open(q, self.claim.batch_id), "drain check")
+
+    # -- handing tasks to the executor -----------------------------------------------
+    def _start_from_buffer(self) -> None:
+        state = self.state
+        while True:
+            with state.lock:
+                if not state.buffer or state.active >= self.config.concurrency:
+                    return
+                entry = self._take_from_buffer()
+                state.active += 1
+            self.executor.start(entry, self._next_task)
+
+    def _take_from_buffer(self) -> Running:
+        """Move the next claimed task from the buffer to `running` (hold state.lock)."""
+        state = self.state
+        lease = state.buffer.pop(0)
+        entry = Running(lease, Task.from_lease(lease, self.claim.worker_id, self.effects))
+        state.running[lease.id] = entry
+        return entry
+
+    def next_task(self) -> Running | None:
+        """The next task for a handler thread that just finished one, or None: from the
+        buffer, or else by acking what finished and claiming more in one statement."""
+        state = self.state
+        with state.lock:
+            if state.winding_down():
+                return None
+            if state.buffer:
+                return self._take_from_buffer()
+            if self._reached_max():
+                return None
+            outcomes = self.completer.take_locked()
+        claimed = self._complete_and_claim(outcomes, self.claim.limit, wait_busy=False)
+        if not claimed:
+            return None
+        with state.lock:
+            if state.winding_down() or not state.buffer:
+                return None
+            entry = self._take_from_buffer()
+            more = bool(state.buffer) and state.active < self.config.concurrency
+        if more:
+            state.wake.set()  # free slots: the claim loop starts the rest
+        return entry
+
+    # -- giving back and waking up ---------------------------------------------------
+    def release(self, leases: list[Lease], *, db_locked: bool = False) -> None:
+        """Give leases back to pending without burning an attempt; on failure they come
+        back when they expire."""
+        if not leases:
+            return
+        run = self.conn.run_locked if db_locked else self.conn.run
+        try:
+            released = run(lambda q: q.release(self.claim.worker_id, leases), "release")
+        except Exception as exc:
+            log.warning("could not release %d task(s): %s; they return after their lease "
+                        "expires", len(leases), db.describe_error(exc, self.config.dsn))
+            return
+        with self.state.lock:
+            self.state.stats["released"] += len(released)
+
+    def listen(self) -> None:
+        """The LISTEN thread's body: wake the claim loop when tasks are enqueued; polling
+        stays the fallback (NOTIFY is lost behind PgBouncer's transaction pooling and
+        while disconnected)."""
+        state = self.state
+        while not state.force_stop.is_set() and not state.stopping.is_set():
+            try:
+                with db.connect(self.config.dsn, autocommit=True,
+                                purpose="jobrunner-listen", connect_timeout=3) as conn:
+                    pool = self.claim.pool
+                    conn.execute("LISTEN jobrunner_pool" if pool is not None
+                                 else "LISTEN jobrunner_queue")
+                    while not state.stopping.is_set():
+                        for note in conn.notifies(timeout=1.0):
+                            if pool is not None and note.payload == pool:
+                                self._rescan.set()
+                                state.wake.set()
+                            elif note.payload == self.claim.batch_id:
+                                state.wake.set()
+            except Exception:
+                state.force_stop.wait(1.0)
