@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=env.REPO / "bench" / "results")
     args = parser.parse_args(argv)
     if args.before and not (args.before / "jobrunner" / "worker.py").exists():
-        parser.error(f"{args.before} has no jobrunner/worker.py")
+        parser.error(f"{args.before} has no jobrunner/worker/process.py")
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # clean up
     server = env.Server()
     server.start()

@@ -1,5 +1,5 @@
 -- Named queries that keep the guarantees when the primary moves (docs/failover.md).
--- Loaded with sql/queries.sql (jobrunner/sqlfiles.py): same conventions, same namespace.
+-- Loaded with sql/queries.sql (jobrunner/store/sqlfiles.py): same conventions, same namespace.
 
 -- name: end_leases_missing_effects
 -- Sent in front of the ack of attempts that used task.once, in the ack's transaction.

@@ -1,10 +1,10 @@
--- Named queries: one per state transition. The Python layer (jobrunner/queue.py) is
+-- Named queries: one per state transition. The Python layer (jobrunner/queue/client.py) is
 -- a thin typed wrapper around these. Parameters use psycopg's %(name)s style; every
 -- value is sent as a bound parameter, never formatted into the text.
 -- Time always comes from the database's now(), never from a worker's clock.
 --
 -- Plans: queue connections run with plan_cache_mode = force_generic_plan and without
--- sequential or bitmap scans (see jobrunner/queue.py), so the hot statements are planned
+-- sequential or bitmap scans (see jobrunner/queue/client.py), so the hot statements are planned
 -- once, not on every call, and the same way whatever the table's statistics say. A
 -- generic plan does not know how many ids a parameter array holds or what LIMIT is, so
 -- rows are found by primary key through `id = ANY(array)` (always an index scan), not
@@ -705,7 +705,7 @@ SELECT EXISTS (SELECT 1 FROM agent_work_queue
                  AND batch_id = %(batch_id)s AND status = 'leased') AS open;
 
 -- ---------------------------------------------------------------------------------
--- Getting results out (jobrunner/results.py). The exports run in a transaction of
+-- Getting results out (jobrunner/features/results.py). The exports run in a transaction of
 -- their own through a server-side cursor, so a million rows stream in constant memory.
 
 -- name: export_results
@@ -773,7 +773,7 @@ JOIN agent_work_queue q ON q.id = g.first_id
 ORDER BY g.n DESC, g.first_id;
 
 -- ---------------------------------------------------------------------------------
--- Flow control (jobrunner/limits.py, docs/flow-control.md). A claim never waits for a
+-- Flow control (jobrunner/store/flowcontrol.py, docs/flow-control.md). A claim never waits for a
 -- limit's lane (SKIP LOCKED), so the statements here, which may wait for a claim to
 -- commit, can never be part of a cycle of waits with one.
 
@@ -961,7 +961,7 @@ GROUP BY 1
 ORDER BY 1;
 
 -- ---------------------------------------------------------------------------------
--- Reduce (jobrunner/reduce.py, docs/results.md): one task per batch, key '__reduce__',
+-- Reduce (jobrunner/features/reduce.py, docs/results.md): one task per batch, key '__reduce__',
 -- inserted only once every other task of the batch is terminal. Completion is decided
 -- from the rows (jobrunner_batch_settled, migration 0011), never from a counter; the
 -- insert is idempotent on (batch_id, task_key) and marked on the batch in the same
@@ -1054,7 +1054,7 @@ SELECT reduced_at, result_bytes,
 FROM agent_batch WHERE batch_id = %(batch_id)s;
 
 -- ---------------------------------------------------------------------------------
--- Worker pools (jobrunner/pools.py, docs/pools.md, migration 0014): a pool's workers
+-- Worker pools (jobrunner/store/workerpools.py, docs/pools.md, migration 0014): a pool's workers
 -- claim across every open batch of the pool, in the order of the tasks' virtual-time
 -- tags laid at enqueue (fair share by tenant weight, batch priority as a weight
 -- multiplier). Pools take no batch under flow control (refused at enqueue and by
@@ -1223,7 +1223,7 @@ SELECT EXISTS (SELECT 1 FROM agent_work_queue
                WHERE b.pool = %(pool)s) AS open;
 
 -- name: pool_work
--- A WorkerPool's queue depth for its scaling timer (controller/workerpools.py): tasks
+-- A WorkerPool's queue depth for its scaling timer (jobrunner/operator/workerpool.py): tasks
 -- pending and due now (claimable; a task waiting out a retry backoff is not), and tasks
 -- leased, in flight. Each count stops at %(cap)s, so a deep backlog costs a bounded scan
 -- of the pool's pending index every tick.
@@ -1263,7 +1263,7 @@ WHERE b.pool = %(pool)s
 GROUP BY b.tenant_id, t.weight
 ORDER BY b.tenant_id;
 
--- Generators (jobrunner/generators.py, docs/sources.md): one task per batch, key
+-- Generators (jobrunner/features/generators.py, docs/sources.md): one task per batch, key
 -- '__generate__', inserted with the batch; it runs the user's code, which enqueues the
 -- batch's tasks in chunks (the ordinary keyed enqueue, each chunk one transaction fenced
 -- on the generator's lease). Not counted in agent_batch.tasks (see counts).

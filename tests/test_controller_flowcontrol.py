@@ -1,4 +1,4 @@
-"""The BatchRun side of flow control (controller/flowcontrol.py), against a real
+"""The BatchRun side of flow control (jobrunner/operator/flowcontrol.py), against a real
 PostgreSQL: an unknown limit writes nothing, the budget is applied from the spec and
 raised, status shows usage and the limits' use, and the Prometheus metrics render what
 `jobrunner limit list` shows. (The same on a real cluster: tests/e2e/test_flow_control_e2e.py.)"""

@@ -97,7 +97,7 @@ def test_status_values_are_checked(conn):
 
 
 def test_the_claim_reads_the_partial_index_of_pending_rows(conn):
-    # The generic plan the workers run (session settings as jobrunner/queue.py sets them):
+    # The generic plan the workers run (session settings as jobrunner/queue/client.py sets them):
     # with status a domain over text, `status = 'pending'` must still match the index
     # predicate.
     from jobrunner.store.prepared import PreparedStatement

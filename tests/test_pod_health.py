@@ -1,4 +1,4 @@
-"""The controller's verdict on worker pods that cannot start (controller/pods.py)."""
+"""The controller's verdict on worker pods that cannot start (jobrunner/operator/pods.py)."""
 
 from __future__ import annotations
 

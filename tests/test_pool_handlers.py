@@ -1,4 +1,4 @@
-"""A pool worker serving several handlers (jobrunner/pool_handlers.py): each task runs
+"""A pool worker serving several handlers (jobrunner/worker/batch_handlers.py): each task runs
 with its batch's handler, recorded at enqueue; a batch whose handler the worker does not
 serve fails at once with a clear error (not released, not spun on). Real PostgreSQL, a
 real worker process."""

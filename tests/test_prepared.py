@@ -1,4 +1,4 @@
-"""The worker's hot statement through libpq (jobrunner/prepared.py) behaves exactly like
+"""The worker's hot statement through libpq (jobrunner/store/prepared.py) behaves exactly like
 the psycopg cursor path: same leases, same errors, same transaction semantics."""
 
 from __future__ import annotations

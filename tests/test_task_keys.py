@@ -149,7 +149,7 @@ def test_a_tasks_key_cannot_change(queue: Queue, conn):
                                   "export_results", "reduce_inputs"])
 def test_lookups_by_key_are_index_probes(conn, name):
     # Under the queue's session settings (generic plans, no sequential or bitmap scans,
-    # jobrunner/queue.py), no statement that reads tasks by key may scan the task table.
+    # jobrunner/queue/client.py), no statement that reads tasks by key may scan the task table.
     conn.execute("SET plan_cache_mode = force_generic_plan")
     conn.execute("SET enable_seqscan = off")
     conn.execute("SET enable_bitmapscan = off")

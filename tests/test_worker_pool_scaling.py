@@ -1,4 +1,4 @@
-"""The WorkerPool's scaling decision (controller/scaling.py): pure logic, no cluster."""
+"""The WorkerPool's scaling decision (jobrunner/operator/scaling.py): pure logic, no cluster."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`jobrunner limit|usage|budget`: flow control from the command line (docs/flow-control.md).
 
 Other tools depend on these names: keep them stable. Registered on the main app by
-`register(app)` (jobrunner/cli.py); errors are BadInput (exit 2) or JobrunnerError
+`register(app)` (jobrunner/cli/main.py); errors are BadInput (exit 2) or JobrunnerError
 (exit 1), reported by cli.main like every other command's.
 """
 

@@ -206,7 +206,7 @@ def status(batch: BatchOpt,
         gen = generators.state(q.conn, batch)
         failed = counts["dead"] or (reduce is not None and reduce.task_status == "dead")
         top = top_errors(q.conn, batch) if failed else []  # (a dead reduce among them)
-        used = q.usage(batch, by_status=False)  # tokens and cost (jobrunner/limits.py)
+        used = q.usage(batch, by_status=False)  # tokens and cost (jobrunner/store/flowcontrol.py)
         result = batch_result(q.conn, batch, STATUS_RESULT_BYTES) if reduce and (
             reduce.reduced) else None
         q.conn.close()

@@ -1,7 +1,7 @@
 """`jobrunner pool`: a worker pool's tenants and their weights (docs/pools.md).
 
 Other tools depend on these names: keep them stable. Registered on the main app by
-`register(app)` (jobrunner/cli.py).
+`register(app)` (jobrunner/cli/main.py).
 """
 
 from __future__ import annotations

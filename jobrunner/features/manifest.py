@@ -107,14 +107,14 @@ class BatchRunSpec:
     template: Mapping[str, Any] = field(default_factory=dict)
     database: Mapping[str, Any] = field(default_factory=dict)
     suspend: bool = False
-    reduce: ReduceSpec | None = None  # runs once after every task (jobrunner/reduce.py)
+    reduce: ReduceSpec | None = None  # runs once after every task (jobrunner/features/reduce.py)
     # Flow control (docs/flow-control.md): the limits and token estimate of every task
     # enqueued from the spec, and the batch's budget (None: no budget of that kind).
     limits: tuple[str, ...] | None = None
     tokens: int | None = None
     budget_tokens: int | None = None
     budget_cost: Decimal | None = None
-    # source.generator: the tasks come from user code run as a task (jobrunner/generators.py)
+    # source.generator: the tasks come from user code run as a task (jobrunner/features/generators.py)
     generator: GeneratorSpec | None = None
     # source.configMap (name, key): read by the controller when it enqueues
     config_map: tuple[str, str] | None = None

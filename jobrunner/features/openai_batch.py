@@ -7,7 +7,7 @@
   any OpenAI-compatible endpoint (OpenAI, vLLM, llama.cpp, a gateway) and stores the
   response body as the task's result.
 - Out: `jobrunner results --format openai` writes the Batch API's output file, and with
-  `--errors` its error file (jobrunner/results.py calls output_line and error_line).
+  `--errors` its error file (jobrunner/features/results.py calls output_line and error_line).
 
 Configuration (environment of the worker): OPENAI_BASE_URL (default
 https://api.openai.com/v1), OPENAI_API_KEY (optional: local servers often need none),
@@ -237,7 +237,7 @@ def error_text(status: int, code: str | None, message: str) -> str:
     return f"HTTP {status} {code or f'http_{status}'}: {message}"
 
 
-# last_error is "<exception type>: <message> (at <file>:<line>)" (jobrunner/executor.py).
+# last_error is "<exception type>: <message> (at <file>:<line>)" (jobrunner/worker/executor.py).
 _HTTP_ERROR = re.compile(r"^\w+: HTTP \d{3} (?P<code>\S+): (?P<message>.*?)"
                          r"(?: \(at [^()]*:\d+\))?$", re.DOTALL)
 _PLAIN_ERROR = re.compile(r"^(?P<code>[A-Za-z_]\w*): (?P<message>.*?)(?: \(at [^()]*:\d+\))?$",

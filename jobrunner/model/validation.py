@@ -21,9 +21,9 @@ MAX_ID_CHARS = 256
 MAX_ATTEMPTS_LIMIT = 1000
 MAX_LIMITS_PER_TASK = 16
 MAX_TOKENS = 10**15  # a token estimate or report past this is a bug, not a workload
-# The key of a batch's reduce task (jobrunner/reduce.py): no task of a batch may use it.
+# The key of a batch's reduce task (jobrunner/features/reduce.py): no task of a batch may use it.
 REDUCE_KEY = "__reduce__"
-# The key of a batch's generator task (jobrunner/generators.py): reserved the same way.
+# The key of a batch's generator task (jobrunner/features/generators.py): reserved the same way.
 GENERATE_KEY = "__generate__"
 RESERVED_KEYS = {REDUCE_KEY: "the batch's reduce step", GENERATE_KEY: "the batch's generator"}
 

@@ -8,7 +8,7 @@ the pool's queue depth by the controller (docs/pools.md, "On Kubernetes").
 - A change of the pod (spec, or the controller's worker image) replaces the Deployment's
   template: a rolling update, whose stopped workers release their leases on SIGTERM.
 - A timer reads the pool's work (pending and due + leased) and sets the replicas
-  (controller/scaling.py): up at once, down after the stabilization window, to zero.
+  (jobrunner/operator/scaling.py): up at once, down after the stabilization window, to zero.
   Not an HPA: the cluster needs no metrics adapter, and an HPA cannot scale to zero
   without the HPAScaleToZero alpha feature gate.
 """

@@ -60,7 +60,7 @@ _session_timeouts: weakref.WeakKeyDictionary[psycopg.Connection, str | None] = (
     weakref.WeakKeyDictionary())
 _IDLE = psycopg.pq.TransactionStatus.IDLE
 _UNSET = object()
-# The statement a worker runs once per task (or per claimed batch): see jobrunner/prepared.py.
+# The statement a worker runs once per task (or per claimed batch): see jobrunner/store/prepared.py.
 # A batch under flow control (its tasks name limits, or it has a budget) is claimed with
 # ack_and_claim_limited instead (docs/flow-control.md).
 _ACK_AND_CLAIM = {name: PreparedStatement(f"jobrunner_{name}", query(name))
@@ -189,12 +189,12 @@ class Queue:
         `limits` and `tokens` are the batch's defaults (a BatchRun's): a task that names
         no limits of its own draws from `limits`, and one without its own estimate is
         charged `tokens`. Every limit named must exist (docs/flow-control.md), or
-        nothing is written. `reduce` (jobrunner/reduce.py, ReduceSpec.as_json()) gives the
+        nothing is written. `reduce` (jobrunner/features/reduce.py, ReduceSpec.as_json()) gives the
         batch its reduce step in the same transaction; once that reduce was enqueued, new
         tasks are refused (they would never be reduced). `pool` puts the batch in a worker
-        pool with `priority` (jobrunner/pools.py: both fixed at its first enqueue), and
+        pool with `priority` (jobrunner/store/workerpools.py: both fixed at its first enqueue), and
         `handler` records the handler its tasks run with, for pool workers that serve
-        several (jobrunner/pool_handlers.py; set by the first enqueue that names one).
+        several (jobrunner/worker/batch_handlers.py; set by the first enqueue that names one).
 
         All rows are validated and encoded before the transaction starts; the insert
         itself is a COPY into a temporary table and one INSERT, whose rows with a key
@@ -361,7 +361,7 @@ class Queue:
         still held (acked or failed) and the new leases. An ack that finds its row
         locked for a moment (see try_complete_and_claim) is sent again until it lands.
         With `pool`, the claim takes tasks of every open batch of the pool, in its fair
-        order (jobrunner/pools.py), and batch_id is not used."""
+        order (jobrunner/store/workerpools.py), and batch_id is not used."""
         kept, busy, leases = self.try_complete_and_claim(worker_id, outcomes, batch_id, limit,
                                                          pool=pool)
         delay = 0.001
@@ -408,7 +408,7 @@ class Queue:
         if claiming:
             self.limit_wait = None
         if claiming and pool is not None:
-            statement = "ack_and_claim_pool"  # (no flow control in pools: jobrunner/pools.py)
+            statement = "ack_and_claim_pool"  # (no flow control in pools: jobrunner/store/workerpools.py)
         elif claiming and self._flow_controlled(batch_id):
             statement = "ack_and_claim_limited"
         else:
@@ -497,7 +497,7 @@ class Queue:
     def _run_completion(self, failures: Sequence[Outcome], steps: list[tuple[str, Any]]
                         ) -> tuple[set[int], set[int], list[Lease]]:
         if not failures and len(steps) == 1 and self._direct():
-            # The worker's loop without failures: one prepared statement (jobrunner/prepared.py).
+            # The worker's loop without failures: one prepared statement (jobrunner/store/prepared.py).
             prepared = _ACK_AND_CLAIM_BY_SQL[steps[0][0]]
             return self._completed(set(), prepared.execute(self.conn, steps[0][1]))
         cursors = self._one_round_trip(steps)
@@ -623,7 +623,7 @@ class Queue:
             "next_run_in_seconds": _float(row["next_run_in_seconds"]),
         }
 
-    # -- flow control (jobrunner/limits.py) ----------------------------------------------
+    # -- flow control (jobrunner/store/flowcontrol.py) ----------------------------------------------
     def set_budget(self, batch_id: str, *, tokens: int | None = None,
                    cost: float | str | None = None) -> None:
         """Set or raise a batch's budget of tokens and/or cost (None: keep the current

@@ -63,7 +63,7 @@ class Effects:
 
     def run(self, fn: Callable[[psycopg.Connection], T]) -> T:
         """fn(conn) on one of the pool's connections (fn makes its own transaction);
-        used for what a handler reports mid-task (jobrunner/limits.py)."""
+        used for what a handler reports mid-task (jobrunner/store/flowcontrol.py)."""
         with self._connection() as conn:
             return fn(conn)
 

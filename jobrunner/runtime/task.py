@@ -34,7 +34,7 @@ class Task:
     _effects: Effects | None = field(default=None, repr=False)
     _lease: Lease | None = field(default=None, repr=False)
     # Effect keys this attempt applied or found applied: its ack requires their ledger
-    # rows on the server that takes it (see jobrunner/effects.py).
+    # rows on the server that takes it (see jobrunner/runtime/effects.py).
     _effect_keys: tuple[str, ...] = field(default=(), repr=False)
 
     @classmethod

@@ -8,7 +8,7 @@ in JOBRUNNER_TASK_* environment variables; stdout (JSON if it parses, else text)
 result. Exit 0 = done, exit 75 (EX_TEMPFAIL) = retry with backoff, exit 76 = rate limited
 (like raising RateLimited), any other exit code = permanent failure (dead), killed by a
 signal = retry (a crash, e.g. out of memory). Usage and rate-limit details go as JSON
-lines to the file named by $JOBRUNNER_USAGE_FILE (see jobrunner/limits.py,
+lines to the file named by $JOBRUNNER_USAGE_FILE (see jobrunner/store/flowcontrol.py,
 read_usage_file): {"input_tokens": 812, "output_tokens": 95, "cost": 0.0012} per call
 (like task.report_usage), {"retry_after": 20, "limit": "openai"} before exit 76.
 """

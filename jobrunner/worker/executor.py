@@ -6,7 +6,7 @@ Guarantees:
   a permanent one (PermanentError, or a result that is not JSON: retrying the same code
   cannot fix it).
 - A task whose lease is lost is stopped, and its outcome never acked (the completer
-  drops it). The heartbeat sets task.lease_lost; the handlers (jobrunner/handlers.py)
+  drops it). The heartbeat sets task.lease_lost; the handlers (jobrunner/runtime/taskhandlers.py)
   watch it: an async handler is cancelled, a command killed, a cooperative sync handler
   raises LeaseLost from task.check_lease(). A sync handler that ignores it cannot be
   stopped from another thread: after lost_lease_grace seconds the worker is marked

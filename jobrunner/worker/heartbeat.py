@@ -5,10 +5,10 @@ Guarantees:
   of every task in the buffer, running, or waiting for its ack (WorkerState.held), in
   one fenced statement: a lease someone else took is not renewed.
 - A running task whose lease it could not renew is lost: its task.lease_lost is set, so
-  the handler is stopped (see jobrunner/executor.py) and its outcome is never acked.
+  the handler is stopped (see jobrunner/worker/executor.py) and its outcome is never acked.
 - When no renewal has succeeded for a whole visibility timeout (database unreachable),
   every running task is marked lost: the worker can no longer prove it holds them.
-- It also runs the worker's maintenance (jobrunner/maintenance.py) on the same thread
+- It also runs the worker's maintenance (jobrunner/worker/maintenance.py) on the same thread
   and connection, and keeps going until force_stop: its own statement timeout
   (heartbeat_timeout_ms) and a reconnect after any error keep it from hanging.
 """

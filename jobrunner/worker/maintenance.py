@@ -8,13 +8,13 @@ Guarantees:
   sweep or an effect under its lease, waits for the next sweep). So a task of a crashed
   worker runs again within about a second of its lease expiring, as long as any worker
   (or the operator) is alive.
-- In the same tick it runs the reduce trigger (jobrunner/reduce.py) for its own batch
+- In the same tick it runs the reduce trigger (jobrunner/features/reduce.py) for its own batch
   (a pool worker: each batch of its pool whose reduce was not enqueued yet) and for
   every batch whose tasks the sweep ended dead: whoever made a batch's last task
   terminal (an ack, a fail, this sweep), its reduce is enqueued within about a second by
   any live worker, even one that never checks for drain. While the batch is not settled
   that is one lock-free statement per tick.
-- It runs on the heartbeat thread and its connection (jobrunner/heartbeat.py): no
+- It runs on the heartbeat thread and its connection (jobrunner/worker/heartbeat.py): no
   connection of its own, and a failure is handled like a failed heartbeat.
 """
 

@@ -54,7 +54,7 @@ class ClaimParams:
     worker_id: str
     batch_id: str | None  # None: a pool worker
     limit: int  # the claim batch size: at most this many tasks per claim
-    pool: str | None = None  # claim across every open batch of this pool (jobrunner/pools.py)
+    pool: str | None = None  # claim across every open batch of this pool (jobrunner/store/workerpools.py)
 
     @classmethod
     def of(cls, config: WorkerConfig) -> ClaimParams:
