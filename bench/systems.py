@@ -144,7 +144,7 @@ class Jobrunner(System):
     def done(self, total: int) -> int:
         # The status counts the controller reads (done = the batch's task count minus
         # the unfinished rows): no index holds done rows any more (migration 0009).
-        return self.sql(query("counts"), {"batch_id": BATCH})[0][2]
+        return self.sql(query("batch_counts"), {"batch_id": BATCH})[0][2]
 
     def worker_args(self, batch_size: int) -> list[str]:
         return [sys.executable, "-m", "jobrunner", "worker", "--dsn", self.dsn,

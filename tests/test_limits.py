@@ -526,7 +526,7 @@ def test_the_two_claim_statements_share_their_ack_half():
     identical, so a change to one that is not made to the other fails here."""
     from jobrunner.store.sqlfiles import query
 
-    plain, limited = query("ack_and_claim"), query("ack_and_claim_limited")
+    plain, limited = query("task_ack_and_claim"), query("task_ack_and_claim_limited")
 
     def between(text: str, start: str, end: str) -> str:
         return text[text.index(start):text.index(end, text.index(start))]

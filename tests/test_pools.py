@@ -350,7 +350,7 @@ def test_the_pool_claim_shares_the_ack_and_shard_halves_of_ack_and_claim():
     does: the shared text is kept identical, so a change to one fails here."""
     from jobrunner.store.sqlfiles import query
 
-    plain, pooled = query("ack_and_claim"), query("ack_and_claim_pool")
+    plain, pooled = query("task_ack_and_claim"), query("task_ack_and_claim_pool")
 
     def between(text: str, start: str, end: str) -> str:
         return text[text.index(start):text.index(end, text.index(start))]

@@ -145,8 +145,8 @@ def test_a_tasks_key_cannot_change(queue: Queue, conn):
     assert keys_match_tasks(conn) == (2, 2)
 
 
-@pytest.mark.parametrize("name", ["counts", "reduce_state", "generator_state",
-                                  "export_results", "reduce_inputs"])
+@pytest.mark.parametrize("name", ["batch_counts", "reduce_state", "generator_state",
+                                  "result_export", "reduce_inputs"])
 def test_lookups_by_key_are_index_probes(conn, name):
     # Under the queue's session settings (generic plans, no sequential or bitmap scans,
     # jobrunner/queue/client.py), no statement that reads tasks by key may scan the task table.

@@ -512,7 +512,7 @@ def start(conn: psycopg.Connection, batch_id: str, tenant_id: str, spec: Generat
     validation.check_identifier(tenant_id, "tenant id")
     with conn.transaction():
         cur = conn.cursor(row_factory=dict_row)
-        batch = cur.execute(query("ensure_batch"),
+        batch = cur.execute(query("batch_ensure"),
                             {"batch_id": batch_id, "tenant_id": tenant_id}).fetchone()
         if batch["tenant_id"] != tenant_id:
             raise BadInput(f"batch {batch_id!r} belongs to tenant {batch['tenant_id']!r}, "
@@ -524,12 +524,12 @@ def start(conn: psycopg.Connection, batch_id: str, tenant_id: str, spec: Generat
             raise BadInput(f"batch {batch_id!r} is in worker pool {batch['pool']!r}: pools do "
                            "not run generators yet (docs/pools.md)")
         if reduce is not None:
-            cur.execute(query("batch_set_reduce"),
+            cur.execute(query("reduce_set"),
                         {"batch_id": batch_id, "reduce": json.dumps(reduce)})
         row = cur.execute(query("generator_enqueue"), {
             "batch_id": batch_id, "generator": json.dumps(spec.as_json()),
             "max_attempts": spec.max_attempts}).fetchone()
         if row is not None:
-            cur.execute(query("notify_batch"), {"batch_id": batch_id})
+            cur.execute(query("batch_notify"), {"batch_id": batch_id})
     return row is not None
 

@@ -346,7 +346,7 @@ def trigger(conn: psycopg.Connection, batch_id: str) -> ReduceState | None:
         cur.execute(query("reduce_lock_batch"), {"batch_id": batch_id})
         row = cur.execute(query("reduce_enqueue"), {"batch_id": batch_id}).fetchone()
         if row is not None:
-            cur.execute(query("notify_batch"), {"batch_id": batch_id})
+            cur.execute(query("batch_notify"), {"batch_id": batch_id})
     if row is not None:
         log.info("batch %s: every task is terminal; reduce task %s enqueued", batch_id,
                  row["id"])
@@ -379,7 +379,7 @@ def attach(conn: psycopg.Connection, batch_id: str, spec: ReduceSpec | None) -> 
     if spec is None:
         return
     with conn.transaction():
-        conn.execute(query("batch_set_reduce"),
+        conn.execute(query("reduce_set"),
                      {"batch_id": batch_id, "reduce": json.dumps(spec.as_json())})
 
 
@@ -399,7 +399,7 @@ def batch_result(conn: psycopg.Connection, batch_id: str,
     """The batch's result (None: no such batch); only when at most max_bytes if given."""
     with conn.transaction():
         row = conn.cursor(row_factory=dict_row).execute(
-            query("batch_result"), {"batch_id": batch_id, "max_bytes": max_bytes}).fetchone()
+            query("reduce_result"), {"batch_id": batch_id, "max_bytes": max_bytes}).fetchone()
     if row is None:
         return None
     return BatchResult(stored=row["reduced_at"] is not None, size=row["result_bytes"],

@@ -51,9 +51,9 @@ def top_errors(conn: psycopg.Connection, batch_id: str, *, limit: int = TOP_ERRO
                sample: int = TOP_ERRORS_SAMPLE) -> list[ErrorGroup]:
     """The most frequent distinct errors among the batch's newest `sample` dead tasks,
     most frequent first: messages that differ only in ids, numbers or timestamps count
-    as one (see `top_errors` in sql/queries.sql)."""
+    as one (see `result_top_errors` in sql/queries/results.sql)."""
     with conn.transaction():
-        rows = conn.cursor(row_factory=dict_row).execute(query("top_errors"), {
+        rows = conn.cursor(row_factory=dict_row).execute(query("result_top_errors"), {
             "batch_id": batch_id, "limit": limit, "max_chars": max_chars,
             "sample": sample}).fetchall()
     return [ErrorGroup(message=r["message"], count=int(r["count"]),
@@ -73,9 +73,9 @@ def rows(conn: psycopg.Connection, batch_id: str, *, errors: bool = False,
     cancelled tasks (key, status, last error, attempts, finished_at), in key order.
     An unknown batch raises UnknownBatch here, before the first row is asked for."""
     with conn.transaction():
-        if conn.execute(query("get_batch"), {"batch_id": batch_id}).fetchone() is None:
+        if conn.execute(query("batch_get"), {"batch_id": batch_id}).fetchone() is None:
             raise UnknownBatch(batch_id)
-    return stream(conn, "export_errors" if errors else "export_results",
+    return stream(conn, "result_export_errors" if errors else "result_export",
                   {"batch_id": batch_id}, itersize)
 
 

@@ -47,7 +47,7 @@ class Outcome:
     # without using an attempt (see the `throttle` query).
     throttle_after: float | None = None
     # The task.once keys the attempt applied or found: a success is acked only where
-    # their ledger rows are (end_leases_missing_effects, sql/failover.sql).
+    # their ledger rows are (task_end_missing_effects, sql/queries/tasks.sql).
     effects: tuple[str, ...] = ()
 
 

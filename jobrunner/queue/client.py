@@ -64,7 +64,8 @@ _UNSET = object()
 # A batch under flow control (its tasks name limits, or it has a budget) is claimed with
 # ack_and_claim_limited instead (docs/flow-control.md).
 _ACK_AND_CLAIM = {name: PreparedStatement(f"jobrunner_{name}", query(name))
-                  for name in ("ack_and_claim", "ack_and_claim_limited", "ack_and_claim_pool")}
+                  for name in ("task_ack_and_claim", "task_ack_and_claim_limited",
+                               "task_ack_and_claim_pool")}
 _ACK_AND_CLAIM_BY_SQL = {query(name): prepared for name, prepared in _ACK_AND_CLAIM.items()}
 _PIPELINE = psycopg.Pipeline.is_supported()
 
@@ -236,7 +237,7 @@ class Queue:
         if pool is not None:
             pool_rules.refuse_flow_control(batch_id, pool, named)
         with self._tx():
-            batch = self._execute(query("ensure_batch" if pool is None else "ensure_pool_batch"),
+            batch = self._execute(query("batch_ensure" if pool is None else "pool_batch_ensure"),
                                   {"batch_id": batch_id, "tenant_id": tenant_id, "pool": pool,
                                    "priority": priority}).fetchone()
             if batch["tenant_id"] != tenant_id:
@@ -248,7 +249,7 @@ class Queue:
             if handler is not None:
                 pools.set_batch_handler(self.conn, batch_id, handler)
             flow.require_known(self.conn, named, named)
-            self._execute(query("enqueue_stage_table"))
+            self._execute(query("task_stage_create"))
             with self.conn.cursor() as cur, cur.copy(
                     "COPY jobrunner_enqueue_stage (task_key, shard_key, payload, max_attempts,"
                     " limits, tokens) FROM STDIN") as copy:
@@ -257,23 +258,23 @@ class Queue:
                 for row in rows:
                     copy.write_row(row)
             if reduce is not None:
-                self._execute(query("batch_set_reduce"),
+                self._execute(query("reduce_set"),
                               {"batch_id": batch_id, "reduce": json.dumps(reduce)})
             if pool is None:
-                new = self._execute(query("enqueue_from_stage"),
+                new = self._execute(query("task_insert_staged"),
                                     {"batch_id": batch_id, "tenant_id": tenant_id}
                                     ).fetchone()["new"]
             else:
                 new = pools.enqueue_staged(self.conn, batch_id, tenant_id, pool, priority)
             # (a new statement: ensure_batch locked the batch row, so a reduce enqueued
             # before is visible, and none can be enqueued until this commits)
-            if new and self._execute(query("batch_reduce_enqueued"),
+            if new and self._execute(query("reduce_enqueued"),
                                      {"batch_id": batch_id}).fetchone()["enqueued"]:
                 raise BadInput(f"batch {batch_id!r} was reduced already: its reduce step ran "
                                "(or is running) over the tasks it had; enqueue under a new "
                                "batch id")
             if new:
-                self._execute(query("notify_batch"), {"batch_id": batch_id})
+                self._execute(query("batch_notify"), {"batch_id": batch_id})
         return EnqueueResult(new=new, existing=len(rows) - new)
 
     # -- the lease life cycle ------------------------------------------------------
@@ -309,12 +310,12 @@ class Queue:
                   "ids": [lease.id for lease in leases],
                   "attempts": [lease.attempt for lease in leases],
                   "visibility_timeout": self.timing.visibility_timeout}
-        cursors = self._one_round_trip([(query("heartbeat"), params)])
+        cursors = self._one_round_trip([(query("task_heartbeat"), params)])
         if cursors is not None:
             return {r[0] for r in cursors[0].fetchall()}
         with self._tx():
             self._limit_statement_time()
-            rows = self._cursor().execute(query("heartbeat"), params).fetchall()
+            rows = self._cursor().execute(query("task_heartbeat"), params).fetchall()
         return {r[0] for r in rows}
 
     def ack(self, worker_id: str, lease: Lease, result: Any = None) -> bool:
@@ -342,8 +343,8 @@ class Queue:
         rate-limited one (which gives its attempt back)."""
         params = self._fail_params(worker_id, outcome)
         if outcome.throttle_after is None:
-            return query("fail"), params
-        return query("throttle"), {
+            return query("task_fail"), params
+        return query("task_throttle"), {
             "id": params["id"], "attempt": params["attempt"], "worker_id": worker_id,
             "error": params["error"], "retry_after": float(outcome.throttle_after),
             "max_throttles": self.timing.max_throttles}
@@ -400,7 +401,7 @@ class Queue:
         if guarded:
             # In front of the ack, in its transaction: a success whose effects are not on
             # this server (lost in a failover) is not acked but runs again.
-            steps.append((query("end_leases_missing_effects"), {
+            steps.append((query("task_end_missing_effects"), {
                 "worker_id": worker_id, "ids": _int_array(o.lease.id for o, _ in guarded),
                 "attempts": _int_array(o.lease.attempt for o, _ in guarded),
                 "effect_keys": [key for _, key in guarded]}))
@@ -408,18 +409,19 @@ class Queue:
         if claiming:
             self.limit_wait = None
         if claiming and pool is not None:
-            statement = "ack_and_claim_pool"  # (no flow control in pools: jobrunner/store/workerpools.py)
+            # (no flow control in pools: jobrunner/store/workerpools.py)
+            statement = "task_ack_and_claim_pool"
         elif claiming and self._flow_controlled(batch_id):
-            statement = "ack_and_claim_limited"
+            statement = "task_ack_and_claim_limited"
         else:
-            statement = "ack_and_claim"
+            statement = "task_ack_and_claim"
         if successes or claiming:
             steps.append((query(statement), self._ack_and_claim_params(
                 worker_id, successes, batch_id if claiming else None, limit, after,
                 pool if claiming else None)))
         kept, busy, leases = self._run_completion(failures, steps)
         if claiming and not leases and self.limit_wait is None \
-                and statement == "ack_and_claim_limited":
+                and statement == "task_ack_and_claim_limited":
             self.limit_wait = self._next_room()
         if claiming and len(leases) < limit and any(
                 o.lease.shard_key and o.lease.id in kept for o in successes):
@@ -559,24 +561,24 @@ class Queue:
         if not leases:
             return set()
         with self._tx():
-            rows = self._execute(query("release"), {
+            rows = self._execute(query("task_release"), {
                 "worker_id": worker_id, "ids": [lease.id for lease in leases],
                 "attempts": [lease.attempt for lease in leases]}).fetchall()
         return {r["id"] for r in rows}
 
     def expire(self, limit: int = 1000) -> list[dict[str, Any]]:
         """Return expired leases to pending (or dead); any worker may call this."""
-        cursors = self._one_round_trip([(query("expire"), {"limit": limit})], dict_row)
+        cursors = self._one_round_trip([(query("task_expire"), {"limit": limit})], dict_row)
         if cursors is not None:
             return cursors[0].fetchall()
         with self._tx():
             self._limit_statement_time()
-            return self._cursor(dict_row).execute(query("expire"), {"limit": limit}).fetchall()
+            return self._cursor(dict_row).execute(query("task_expire"), {"limit": limit}).fetchall()
 
     # -- batch administration ------------------------------------------------------
     def batch(self, batch_id: str) -> dict[str, Any]:
         with self._tx():
-            row = self._execute(query("get_batch"), {"batch_id": batch_id}).fetchone()
+            row = self._execute(query("batch_get"), {"batch_id": batch_id}).fetchone()
         if row is None:
             raise UnknownBatch(batch_id)
         return row
@@ -584,22 +586,22 @@ class Queue:
     def cancel(self, batch_id: str) -> int:
         self.batch(batch_id)
         with self._tx():
-            return self._execute(query("cancel_batch"), {"batch_id": batch_id}).rowcount
+            return self._execute(query("batch_cancel"), {"batch_id": batch_id}).rowcount
 
     def requeue_dead(self, batch_id: str, task_keys: Sequence[str] | None = None) -> int:
         self.batch(batch_id)
         with self._tx():
-            count = self._execute(query("requeue_dead"), {
+            count = self._execute(query("task_requeue_dead"), {
                 "batch_id": batch_id,
                 "task_keys": list(task_keys) if task_keys else None}).rowcount
             if count:
-                self._execute(query("notify_batch"), {"batch_id": batch_id})
+                self._execute(query("batch_notify"), {"batch_id": batch_id})
         return count
 
     def list_dead(self, batch_id: str, limit: int = 1000) -> list[dict[str, Any]]:
         self.batch(batch_id)
         with self._tx():
-            return self._execute(query("list_dead"),
+            return self._execute(query("task_list_dead"),
                                      {"batch_id": batch_id, "limit": limit}).fetchall()
 
     def batch_open(self, batch_id: str) -> bool:
@@ -610,7 +612,7 @@ class Queue:
 
     def counts(self, batch_id: str) -> dict[str, int]:
         with self._tx():
-            row = self._execute(query("counts"), {"batch_id": batch_id}).fetchone()
+            row = self._execute(query("batch_counts"), {"batch_id": batch_id}).fetchone()
         return {status: int(row[status]) for status in STATUSES}
 
     def health(self, batch_id: str) -> dict[str, Any]:
@@ -642,7 +644,7 @@ class Queue:
         total = 0
         while True:
             with self._tx():
-                deleted = self._execute(query("retention_delete"), {
+                deleted = self._execute(query("task_delete_finished"), {
                     "statuses": statuses, "older_than_seconds": older_than_seconds,
                     "limit": batch_size, "archive": archive}).rowcount
             total += deleted

@@ -9,7 +9,7 @@ It does not make calls to other systems exactly-once: pass them
 
 After a failover with asynchronous replication an effect can be lost together with its
 ledger row; the ack of the attempt then checks the ledger in its own transaction
-(`end_leases_missing_effects`, sql/failover.sql), so the task runs again rather than
+(`task_end_missing_effects`, sql/queries/tasks.sql), so the task runs again rather than
 ending done without its effect (docs/failover.md).
 """
 

@@ -4,9 +4,9 @@ Guarantees (docs/flow-control.md has the reasoning and the algorithm):
 - A limit (`set_limit`) caps the tasks that name it, across every worker: at most
   `requests` claims per `per` seconds in any window (GCRA, on the database clock of the
   claim), `tokens` estimated tokens likewise (plus one task per lane), and at most
-  `max_concurrent` live leases. The claim statement (ack_and_claim in sql/queries.sql)
-  checks and charges them on a lane of the limit it holds locked, so concurrent claims
-  cannot overrun them; a task whose limit is full is skipped (no lease held while it
+  `max_concurrent` live leases. The claim statement (task_ack_and_claim_limited in
+  sql/queries/tasks.sql) checks and charges them on a lane of the limit it holds
+  locked, so concurrent claims cannot overrun them; a task whose limit is full is skipped (no lease held while it
   waits) and others proceed.
 - A concurrency slot is freed in the statement that moves the task out of `leased`:
   ack, fail, throttle, release and lease expiry (so a killed worker's slot frees when
@@ -198,7 +198,7 @@ def batch_usage(conn: psycopg.Connection, batch_id: str, *, by_status: bool = Tr
     grouped by the tasks' current status (reads the batch's ledger rows)."""
     with conn.transaction():
         cur = conn.cursor(row_factory=dict_row)
-        row = cur.execute(query("batch_usage"), {"batch_id": batch_id}).fetchone()
+        row = cur.execute(query("usage_get"), {"batch_id": batch_id}).fetchone()
         groups = (cur.execute(query("usage_by_status"), {"batch_id": batch_id}).fetchall()
                   if by_status else [])
     statuses = {g["status"]: {"tasks": int(g["tasks"]), "attempts": int(g["attempts"]),

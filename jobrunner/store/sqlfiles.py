@@ -17,10 +17,10 @@ _MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 @cache
 def sql_dir() -> Path:
     packaged = Path(__file__).resolve().parent.parent / "sql"
-    if (packaged / "queries.sql").is_file():
+    if (packaged / "queries").is_dir():
         return packaged
     checkout = Path(__file__).resolve().parent.parent.parent / "sql"
-    if (checkout / "queries.sql").is_file():
+    if (checkout / "queries").is_dir():
         return checkout
     raise FileNotFoundError("jobrunner's SQL files are missing from the installation")
 
@@ -46,29 +46,53 @@ def migrations() -> tuple[Migration, ...]:
     return tuple(found)
 
 
-# Files of named queries, one namespace: the state transitions, and what keeps the
-# guarantees across a failover.
-QUERY_FILES = ("queries.sql", "failover.sql")
+# The files of named queries: one per table family, one namespace, names entity then verb.
+QUERY_FILES = ("queries/tasks.sql", "queries/batches.sql", "queries/effects.sql",
+               "queries/results.sql", "queries/flowcontrol.sql", "queries/reduce.sql",
+               "queries/workerpools.sql", "queries/generators.sql", "queries/session.sql",
+               "queries/migrations.sql")
+_DIRECTIVE = re.compile(r"^--\s*(name|fragment|include):\s*(\w+)\s*$")
 
 
 @cache
 def queries() -> dict[str, str]:
-    """Parse the QUERY_FILES into {name: statement}; comment lines are dropped."""
+    """Parse the QUERY_FILES into {name: statement}; comment lines are dropped.
+
+    A `-- fragment: x` block is SQL text shared by several statements, not a statement:
+    a `-- include: x` line in a statement stands for it. The statements are assembled
+    here, once, so each is still one plain text (and one prepared statement)."""
     named: dict[str, list[str]] = {}
+    fragments: dict[str, list[str]] = {}
     for filename in QUERY_FILES:
         current: list[str] | None = None
         for line in (sql_dir() / filename).read_text().splitlines():
-            stripped = line.strip()
-            if stripped.startswith("-- name:"):
-                name = stripped.removeprefix("-- name:").strip()
-                if name in named:
+            directive = _DIRECTIVE.match(line.strip())
+            if directive and directive.group(1) in ("name", "fragment"):
+                name = directive.group(2)
+                if name in named or name in fragments:
                     raise ValueError(f"query {name!r} is named twice in {QUERY_FILES}")
-                current = named[name] = []
-            elif stripped.startswith("--") or current is None:
+                table = named if directive.group(1) == "name" else fragments
+                current = table[name] = []
+            elif directive and current is not None:
+                current.append(f"\0include {directive.group(2)}")
+            elif line.strip().startswith("--") or current is None:
                 continue
             else:
                 current.append(line)
-    return {name: "\n".join(lines).strip().rstrip(";") for name, lines in named.items()}
+
+    def text(lines: list[str], seen: tuple[str, ...] = ()) -> str:
+        out = []
+        for line in lines:
+            if line.startswith("\0include "):
+                include = line.removeprefix("\0include ")
+                if include not in fragments or include in seen:
+                    raise ValueError(f"unknown or circular fragment {include!r}")
+                out.append(text(fragments[include], (*seen, include)))
+            else:
+                out.append(line)
+        return "\n".join(out).strip()
+
+    return {name: text(lines).rstrip(";") for name, lines in named.items()}
 
 
 def query(name: str) -> str:

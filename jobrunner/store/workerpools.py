@@ -40,7 +40,7 @@ def set_batch_handler(conn: psycopg.Connection, batch_id: str, handler: str) -> 
     """Inside the enqueue's transaction: the batch's handler is this one (set now if it
     had none; a batch whose tasks may already run with another one is refused)."""
     row = conn.cursor(row_factory=dict_row).execute(
-        query("batch_set_handler"), {"batch_id": batch_id, "handler": handler}).fetchone()
+        query("batch_handler_set"), {"batch_id": batch_id, "handler": handler}).fetchone()
     if row["handler"] != handler:
         raise BadInput(f"batch {batch_id!r} runs handler {row['handler']!r}, not {handler!r} "
                        "(set at its first enqueue)")
@@ -48,7 +48,7 @@ def set_batch_handler(conn: psycopg.Connection, batch_id: str, handler: str) -> 
 
 def batch_handler(conn: psycopg.Connection, batch_id: str) -> tuple[bool, str | None]:
     """(whether the batch exists, its recorded handler)."""
-    row = conn.cursor(row_factory=dict_row).execute(query("batch_handler"),
+    row = conn.cursor(row_factory=dict_row).execute(query("batch_handler_get"),
                                                     {"batch_id": batch_id}).fetchone()
     return (row is not None, row["handler"] if row else None)
 
@@ -60,7 +60,7 @@ def enqueue_staged(conn: psycopg.Connection, batch_id: str, tenant_id: str, pool
     cur = conn.cursor(row_factory=dict_row)
     key = {"pool": pool, "tenant_id": tenant_id, "priority": priority, "batch_id": batch_id}
     start = cur.execute(query("pool_enqueue_start"), key).fetchone()
-    new = cur.execute(query("enqueue_from_stage_pool"), {
+    new = cur.execute(query("pool_insert_staged"), {
         **key, "vstart": start["vstart"], "vstride": start["vstride"]}).fetchone()["new"]
     if new and start["relay"]:
         # The batch joins batches of its tenant (and priority) that have pending tasks:
@@ -68,7 +68,7 @@ def enqueue_staged(conn: psycopg.Connection, batch_id: str, tenant_id: str, pool
         cur.execute(query("pool_relay"), {**key, "vstart": start["vstart"],
                                           "vstride": start["vstride"]})
     if new:
-        cur.execute(query("notify_pool"), {"pool": pool})
+        cur.execute(query("pool_notify"), {"pool": pool})
     return int(new)
 
 
@@ -95,7 +95,7 @@ def show(conn: psycopg.Connection, pool: str) -> list[TenantShare]:
 
 
 def batch_pool(conn: psycopg.Connection, batch_id: str) -> str | None:
-    row = conn.cursor(row_factory=dict_row).execute(query("batch_pool"),
+    row = conn.cursor(row_factory=dict_row).execute(query("pool_of_batch"),
                                                     {"batch_id": batch_id}).fetchone()
     return row["pool"] if row else None
 
