@@ -41,7 +41,7 @@ def test_prepared_and_cursor_paths_return_the_same_leases(dsn: str):
             psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as slow_conn:
         slow_conn.prepare_threshold = None  # prepared statements off: the cursor path
         fast, slow = Queue(fast_conn), Queue(slow_conn)
-        assert fast._direct() and not slow._direct()
+        assert fast.session.direct() and not slow.session.direct()
         fast.enqueue("a", "acme", _specs(9))
         slow.enqueue("b", "acme", _specs(9))
         got_fast, got_slow = _claim_all(fast, "a"), _claim_all(slow, "b")

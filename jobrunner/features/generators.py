@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
 
 from jobrunner.model import validation
 from jobrunner.model.errors import BadInput, LeaseLost, PermanentError
@@ -50,8 +49,9 @@ from jobrunner.runtime.taskhandlers import (
     _kill_group,
     importable,
 )
-from jobrunner.store import db
-from jobrunner.store.sqlfiles import query
+from jobrunner.store import batches, db, effects
+from jobrunner.store import generators as generator_store
+from jobrunner.store import reduce as reduce_store
 
 log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker logs on)
 
@@ -404,11 +404,10 @@ def enqueue_chunk(conn: psycopg.Connection, task: Task, chunk: Sequence[TaskSpec
                   tokens: int | None = None) -> tuple[int, int]:
     """One chunk in one transaction, fenced on the generator's lease (held FOR SHARE until
     commit, so the task cannot be handed to another worker meanwhile)."""
-    fence = {"id": task.id, "attempt": task.attempt, "worker_id": task.worker_id}
 
     def attempt() -> tuple[int, int]:
         with conn.transaction():
-            if conn.execute(query("effect_fence"), fence).fetchone() is None:
+            if not effects.fence(conn, task.id, task.attempt, task.worker_id):
                 raise LeaseLost(f"generator of batch {task.batch_id!r} attempt "
                                 f"{task.attempt}: lease lost; its chunk was not enqueued")
             try:
@@ -492,8 +491,7 @@ def status_json(st: GeneratorState | None) -> dict[str, Any] | None:
 def state(conn: psycopg.Connection, batch_id: str) -> GeneratorState | None:
     """The batch's generator and its task, lock-free (None: no such batch)."""
     with conn.transaction():
-        row = conn.cursor(row_factory=dict_row).execute(
-            query("generator_state"), {"batch_id": batch_id}).fetchone()
+        row = generator_store.state(conn, batch_id)
     if row is None:
         return None
     raw = row["generator"]
@@ -511,9 +509,7 @@ def start(conn: psycopg.Connection, batch_id: str, tenant_id: str, spec: Generat
     validation.check_identifier(batch_id, "batch id")
     validation.check_identifier(tenant_id, "tenant id")
     with conn.transaction():
-        cur = conn.cursor(row_factory=dict_row)
-        batch = cur.execute(query("batch_ensure"),
-                            {"batch_id": batch_id, "tenant_id": tenant_id}).fetchone()
+        batch = batches.ensure(conn, batch_id, tenant_id)
         if batch["tenant_id"] != tenant_id:
             raise BadInput(f"batch {batch_id!r} belongs to tenant {batch['tenant_id']!r}, "
                            f"not {tenant_id!r}")
@@ -524,12 +520,10 @@ def start(conn: psycopg.Connection, batch_id: str, tenant_id: str, spec: Generat
             raise BadInput(f"batch {batch_id!r} is in worker pool {batch['pool']!r}: pools do "
                            "not run generators yet (docs/pools.md)")
         if reduce is not None:
-            cur.execute(query("reduce_set"),
-                        {"batch_id": batch_id, "reduce": json.dumps(reduce)})
-        row = cur.execute(query("generator_enqueue"), {
-            "batch_id": batch_id, "generator": json.dumps(spec.as_json()),
-            "max_attempts": spec.max_attempts}).fetchone()
+            reduce_store.set_spec(conn, batch_id, json.dumps(reduce))
+        row = generator_store.enqueue(conn, batch_id, json.dumps(spec.as_json()),
+                                      spec.max_attempts)
         if row is not None:
-            cur.execute(query("batch_notify"), {"batch_id": batch_id})
+            batches.notify(conn, batch_id)
     return row is not None
 

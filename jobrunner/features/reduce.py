@@ -36,16 +36,16 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 import psycopg
-from psycopg.rows import dict_row
 
-from jobrunner.features.results import stream
+from jobrunner.features.results import ITERSIZE
 from jobrunner.model import validation
 from jobrunner.model.errors import BadInput, PermanentError
 from jobrunner.queue.client import dumps_result
 from jobrunner.runtime.task import Task
 from jobrunner.runtime.taskhandlers import CommandHandler, PythonHandler, importable
-from jobrunner.store import db
-from jobrunner.store.sqlfiles import query
+from jobrunner.store import batches, db, effects
+from jobrunner.store import reduce as reduce_store
+from jobrunner.store import results as result_store
 
 if TYPE_CHECKING:
     from jobrunner.queue.client import Queue
@@ -148,8 +148,8 @@ def inputs(conn: psycopg.Connection, task: Task, include_dead: bool) -> Iterator
     {"key", "status", "result", "error", "attempts"} per task (done: result; with onDead
     include also dead: error). The lease is checked as the rows go by: a reduce whose
     lease was lost stops at the next check (LeaseLost)."""
-    rows = stream(conn, "reduce_inputs", {"batch_id": task.batch_id,
-                                          "include_dead": include_dead})
+    rows = result_store.stream(conn, reduce_store.INPUTS, {
+        "batch_id": task.batch_id, "include_dead": include_dead}, ITERSIZE)
     try:
         for n, (key, status, result, error, attempts) in enumerate(rows, 1):
             if n % _LEASE_CHECK_EVERY == 0:
@@ -216,8 +216,7 @@ class WithReduce:
         size = len(encoded.encode())
 
         def store(c: psycopg.Connection) -> dict[str, Any]:
-            c.execute(query("reduce_store_result"), {"batch_id": task.batch_id,
-                                                     "result": encoded, "bytes": size})
+            reduce_store.store_result(c, task.batch_id, encoded, size)
             return {"result_bytes": size, "attempt": task.attempt}
 
         marker = task.once(RESULT_EFFECT, store)
@@ -238,8 +237,8 @@ def _connection(dsn: str, task: Task) -> Iterator[psycopg.Connection]:
 
 
 def _stored_marker(conn: psycopg.Connection, task: Task) -> dict[str, Any] | None:
-    row = conn.cursor(row_factory=dict_row).execute(query("effect_lookup"), {
-        "batch_id": task.batch_id, "task_key": task.key, "effect_key": RESULT_EFFECT}).fetchone()
+    row = effects.lookup(conn, {"batch_id": task.batch_id, "task_key": task.key,
+                                "effect_key": RESULT_EFFECT})
     return None if row is None else (row["result"] or {})
 
 
@@ -321,8 +320,7 @@ class ReduceState:
 def state(conn: psycopg.Connection, batch_id: str) -> ReduceState | None:
     """The batch's reduce step and its task, lock-free (None: no such batch)."""
     with conn.transaction():
-        row = conn.cursor(row_factory=dict_row).execute(
-            query("reduce_state"), {"batch_id": batch_id}).fetchone()
+        row = reduce_store.state(conn, batch_id)
     if row is None:
         return None
     raw = row["reduce"]
@@ -342,11 +340,9 @@ def trigger(conn: psycopg.Connection, batch_id: str) -> ReduceState | None:
     if st is None or not st.due:
         return st
     with conn.transaction():
-        cur = conn.cursor(row_factory=dict_row)
-        cur.execute(query("reduce_lock_batch"), {"batch_id": batch_id})
-        row = cur.execute(query("reduce_enqueue"), {"batch_id": batch_id}).fetchone()
+        row = reduce_store.enqueue(conn, batch_id)
         if row is not None:
-            cur.execute(query("batch_notify"), {"batch_id": batch_id})
+            batches.notify(conn, batch_id)
     if row is not None:
         log.info("batch %s: every task is terminal; reduce task %s enqueued", batch_id,
                  row["id"])
@@ -379,8 +375,7 @@ def attach(conn: psycopg.Connection, batch_id: str, spec: ReduceSpec | None) -> 
     if spec is None:
         return
     with conn.transaction():
-        conn.execute(query("reduce_set"),
-                     {"batch_id": batch_id, "reduce": json.dumps(spec.as_json())})
+        reduce_store.set_spec(conn, batch_id, json.dumps(spec.as_json()))
 
 
 # -- the batch's result ---------------------------------------------------------------
@@ -398,8 +393,7 @@ def batch_result(conn: psycopg.Connection, batch_id: str,
                  max_bytes: int | None = None) -> BatchResult | None:
     """The batch's result (None: no such batch); only when at most max_bytes if given."""
     with conn.transaction():
-        row = conn.cursor(row_factory=dict_row).execute(
-            query("reduce_result"), {"batch_id": batch_id, "max_bytes": max_bytes}).fetchone()
+        row = reduce_store.result(conn, batch_id, max_bytes)
     if row is None:
         return None
     return BatchResult(stored=row["reduced_at"] is not None, size=row["result_bytes"],

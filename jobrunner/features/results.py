@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 import psycopg
-from psycopg.rows import dict_row, tuple_row
 
 from jobrunner.model.errors import UnknownBatch
-from jobrunner.store.sqlfiles import query
+from jobrunner.store import batches
+from jobrunner.store import results as result_store
 
 FORMATS = ("jsonl", "csv", "openai")
 ITERSIZE = 5000  # rows per fetch: big enough that round trips cost little, small in memory
@@ -53,9 +53,7 @@ def top_errors(conn: psycopg.Connection, batch_id: str, *, limit: int = TOP_ERRO
     most frequent first: messages that differ only in ids, numbers or timestamps count
     as one (see `result_top_errors` in sql/queries/results.sql)."""
     with conn.transaction():
-        rows = conn.cursor(row_factory=dict_row).execute(query("result_top_errors"), {
-            "batch_id": batch_id, "limit": limit, "max_chars": max_chars,
-            "sample": sample}).fetchall()
+        rows = result_store.top_errors(conn, batch_id, limit, max_chars, sample)
     return [ErrorGroup(message=r["message"], count=int(r["count"]),
                        example_key=r["example_key"]) for r in rows]
 
@@ -73,25 +71,11 @@ def rows(conn: psycopg.Connection, batch_id: str, *, errors: bool = False,
     cancelled tasks (key, status, last error, attempts, finished_at), in key order.
     An unknown batch raises UnknownBatch here, before the first row is asked for."""
     with conn.transaction():
-        if conn.execute(query("batch_get"), {"batch_id": batch_id}).fetchone() is None:
+        if batches.get(conn, batch_id) is None:
             raise UnknownBatch(batch_id)
-    return stream(conn, "result_export_errors" if errors else "result_export",
-                  {"batch_id": batch_id}, itersize)
-
-
-def stream(conn: psycopg.Connection, name: str, params: dict[str, Any],
-           itersize: int = ITERSIZE) -> Iterator[tuple]:
-    """The rows of the named query, through a server-side cursor in one read-only
-    transaction (held until the generator is exhausted or closed)."""
-    with conn.transaction():
-        # Read-only: it cannot take a lock that it would hold for the whole export. UTC
-        # timestamps whatever the server's or the role's TimeZone.
-        conn.execute("SET TRANSACTION READ ONLY")
-        conn.execute("SELECT set_config('TimeZone', 'UTC', true)")
-        with conn.cursor(name="jobrunner_export", row_factory=tuple_row) as cursor:
-            cursor.itersize = itersize
-            cursor.execute(query(name), params)
-            yield from cursor
+    return result_store.stream(
+        conn, result_store.EXPORT_ERRORS if errors else result_store.EXPORT,
+        {"batch_id": batch_id}, itersize)
 
 
 def export(conn: psycopg.Connection, batch_id: str, out: TextIO, *, fmt: str = "jsonl",

@@ -34,8 +34,9 @@ from jobrunner.features.manifest import BatchRunSpec, load_manifest
 from jobrunner.features.reduce import check_loadable
 from jobrunner.local.embedded import EmbeddedPostgres
 from jobrunner.model.errors import JobrunnerError, UnknownBatch
+from jobrunner.model.validation import RESERVED_KEYS
 from jobrunner.queue.client import Queue
-from jobrunner.store import db
+from jobrunner.store import db, tasks
 from jobrunner.store.migrate import migrate
 
 MAX_RESTARTS_PER_WORKER = 6
@@ -236,13 +237,7 @@ def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs:
     counts = queue.counts(batch_id)
     reduce = reduce_step.state(queue.conn, batch_id)
     gen = generators.state(queue.conn, batch_id)
-    stats = queue.conn.execute(
-        "SELECT coalesce(sum(attempts), 0) AS attempts, count(*) AS tasks,"
-        " percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - created_at))"
-        "   FILTER (WHERE status = 'done') AS p50_latency"
-        " FROM agent_task_key k JOIN agent_work_queue q ON q.id = k.task_id"
-        " WHERE k.batch_id = %s"  # (the batch's rows by key: migration 0017)
-        " AND k.task_key NOT IN ('__reduce__', '__generate__')", (batch_id,)).fetchone()
+    stats = tasks.stats(queue.conn, batch_id, RESERVED_KEYS)
     queue.conn.rollback()
     total = sum(counts.values())
     retries = int(stats["attempts"]) - counts["done"] - counts["dead"]

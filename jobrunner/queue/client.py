@@ -1,4 +1,5 @@
-"""Queue operations: a thin, typed layer over the named queries in sql/queries.sql.
+"""Queue operations: the queue's policy over the store's statements (jobrunner/store/task_store.py,
+batches.py; SQL in sql/queries/).
 
 Every method is one short transaction. After a claim, every transition is fenced on
 (id, lease_owner, attempt): a worker that lost its lease gets nothing back and
@@ -9,12 +10,10 @@ from __future__ import annotations
 
 import json
 import time
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import psycopg
-from psycopg.rows import RowFactory, dict_row, tuple_row
 
 from jobrunner.model import workerpools as pool_rules
 from jobrunner.model.errors import BadInput, UnknownBatch
@@ -29,50 +28,23 @@ from jobrunner.model.validation import (
     check_tokens,
     encode_payload,
 )
+from jobrunner.store import batches
 from jobrunner.store import flowcontrol as flow
+from jobrunner.store import reduce as reduce_store
+from jobrunner.store import tasks as task_store
 from jobrunner.store import workerpools as pools
-from jobrunner.store.db import transaction_pooling
-from jobrunner.store.prepared import PreparedStatement
-from jobrunner.store.sqlfiles import query
+from jobrunner.store.session import Session, Statement, Step
 
-_SET_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
-# Session settings of a queue connection (see Queue._session_settings):
-# - statement_timeout: a stuck claim poll must not hang a worker.
-# - plan_cache_mode = force_generic_plan: the hot statements are planned once per
-#   connection. With custom plans PostgreSQL re-plans them on every execution, which
-#   cost more server CPU than executing them (measured: ~500 vs ~200 µs per claim).
-# - enable_seqscan, enable_bitmapscan, enable_sort = off: that one plan must not
-#   depend on the statistics of a table that swings from empty to millions of rows. A
-#   worker that starts on an empty queue would otherwise cache a plan that scans the
-#   table, or reads every pending row through another index and sorts them, and keep
-#   using it on 20,000 pending rows (measured: claims 10x slower, at random, until the
-#   plan happened to be invalidated). Every queue statement has an index path that
-#   needs no sort except the few rows of one claim (one_per_shard), which stays.
-# Without a timeout (None) the server's own statement_timeout is left alone.
-_SETTINGS = ("SELECT set_config('plan_cache_mode', 'force_generic_plan', %(local)s),"
-             " set_config('enable_seqscan', 'off', %(local)s),"
-             " set_config('enable_bitmapscan', 'off', %(local)s),"
-             " set_config('enable_sort', 'off', %(local)s),"
-             " CASE WHEN %(timeout)s::text IS NOT NULL"
-             " THEN set_config('statement_timeout', %(timeout)s::text, %(local)s) END")
-# The statement timeout each connection's session was given (see Queue._session_settings).
-_session_timeouts: weakref.WeakKeyDictionary[psycopg.Connection, str | None] = (
-    weakref.WeakKeyDictionary())
-_IDLE = psycopg.pq.TransactionStatus.IDLE
-_UNSET = object()
-# The statement a worker runs once per task (or per claimed batch): see jobrunner/store/prepared.py.
-# A batch under flow control (its tasks name limits, or it has a budget) is claimed with
-# ack_and_claim_limited instead (docs/flow-control.md).
-_ACK_AND_CLAIM = {name: PreparedStatement(f"jobrunner_{name}", query(name))
-                  for name in ("task_ack_and_claim", "task_ack_and_claim_limited",
-                               "task_ack_and_claim_pool")}
-_ACK_AND_CLAIM_BY_SQL = {query(name): prepared for name, prepared in _ACK_AND_CLAIM.items()}
-_PIPELINE = psycopg.Pipeline.is_supported()
+# The claim statement of each kind of target (docs/flow-control.md, docs/pools.md); a
+# pool's claim has no flow control (jobrunner/store/workerpools.py).
+_CLAIM_POOL = task_store.ACK_AND_CLAIM_POOL
+_CLAIM_LIMITED = task_store.ACK_AND_CLAIM_LIMITED
+_CLAIM = task_store.ACK_AND_CLAIM
 
 
 def _lease(row: tuple) -> Lease:
-    # Columns of ack_and_claim's result, in order (see sql/queries.sql).
-    # (ack_and_claim_pool adds the task's tag)
+    # Columns of task_ack_and_claim's result, in order (sql/queries/task_store.sql).
+    # (task_ack_and_claim_pool adds the task's tag)
     (_, id_, batch_id, key, tenant_id, shard_key, payload, attempt, max_attempts, until,
      run_after) = row[:11]
     return Lease(id=id_, batch_id=batch_id, key=key, tenant_id=tenant_id,
@@ -95,89 +67,22 @@ class Queue:
         self.conn = conn
         self.timing = timing or Timing()
         self.statement_timeout_ms = statement_timeout_ms
-        self._pooled = transaction_pooling()
+        # How each statement reaches the server (prepared, one round trip, a transaction).
+        self.session = Session(conn, statement_timeout_ms)
         # Per batch: where this connection's next claim starts scanning, and when it last
-        # scanned from the start (see "Scan position" in sql/queries.sql).
+        # scanned from the start (see "Scan position" in sql/queries/task_store.sql).
         # (a pool's position is its claim order's: (vtag, id), keyed ("pool", name))
         self._scan_from: dict[str | tuple[str, str], tuple[Any, int, float]] = {}
         # After a claim that found nothing: seconds until a limit that is full now has
         # room again (its 'wait' row), or None. The worker sleeps no longer than that.
         self.limit_wait: float | None = None
-        # Batches known to be under flow control (claimed with ack_and_claim_limited), and
+        # Batches known to be under flow control (claimed with task_ack_and_claim_limited), and
         # when the others were last checked (batch_flow_control, at most once a second).
         self._flow_batches: set[str] = set()
         self._flow_checked: dict[str, float] = {}
 
-    def _cursor(self, row_factory: RowFactory = tuple_row) -> psycopg.Cursor:
-        # Rows of a known shape, whatever row factory the caller's connection has.
-        return self.conn.cursor(row_factory=row_factory)
-
-    # -- helpers -------------------------------------------------------------------
     def _tx(self) -> psycopg.Transaction:
-        return self.conn.transaction()
-
-    def _limit_statement_time(self) -> None:
-        # SET LOCAL, not a session setting: it must also hold behind PgBouncer's
-        # transaction pooling, where the session is not ours between transactions.
-        if self.statement_timeout_ms:
-            self.conn.execute(_SET_TIMEOUT, (f"{self.statement_timeout_ms}ms",))
-
-    def _execute(self, sql: str, params: Any = None) -> psycopg.Cursor:
-        """One statement, rows as dicts (the connection's own row factory is not ours)."""
-        return self._cursor(dict_row).execute(sql, params)
-
-    def _one_round_trip(self, steps: Sequence[tuple[str, Any]],
-                        row_factory: RowFactory = tuple_row) -> list[psycopg.Cursor] | None:
-        """Run the steps as ONE transaction in ONE network round trip; returns a cursor
-        per step, or None when the connection is inside a transaction the caller opened
-        (the caller then runs the steps one by one, nested as a savepoint).
-
-        - The statement timeout and plan cache mode are session settings of this
-          connection, set once, so a single step (the worker's loop: `ack_and_claim`) is
-          one plain statement in autocommit: one implicit transaction, the cheapest form
-          for client and server.
-        - Behind a transaction pooler (db.transaction_pooling()) the session is not ours
-          between transactions: the settings are then SET LOCAL, sent in the same
-          pipeline as the steps. So are several steps: statements sent without a Sync between
-          them run as one implicit transaction that commits at the pipeline's single
-          Sync, so either every step commits or none does, and the local timeout holds
-          for all of them.
-        """
-        conn = self.conn
-        if conn.info.transaction_status != _IDLE:
-            return None
-        # In autocommit mode psycopg sends no BEGIN of its own (which it would wait for:
-        # a second round trip); the statement or the pipeline's Sync is the transaction.
-        was_autocommit = conn.autocommit
-        if not was_autocommit:
-            conn.autocommit = True
-        try:
-            if not self._pooled:
-                self._session_settings()
-                if len(steps) == 1:
-                    return [self._cursor(row_factory).execute(*steps[0])]
-            with conn.pipeline():
-                if self._pooled:
-                    conn.execute(_SETTINGS, {"local": True, "timeout": self._timeout()})
-                return [self._cursor(row_factory).execute(sql, params) for sql, params in steps]
-        finally:
-            if not was_autocommit and not conn.closed:
-                if conn.info.transaction_status != _IDLE:
-                    conn.rollback()
-                conn.autocommit = False
-
-    def _timeout(self) -> str | None:
-        return f"{self.statement_timeout_ms}ms" if self.statement_timeout_ms else None
-
-    def _session_settings(self) -> None:
-        """Give this connection's session the queue's settings, once (not used behind a
-        transaction pooler, where they are set locally in each transaction instead)."""
-        timeout = self._timeout()
-        if _session_timeouts.get(self.conn, _UNSET) != timeout:
-            if timeout is None and _session_timeouts.get(self.conn):
-                self.conn.execute("RESET statement_timeout")
-            self.conn.execute(_SETTINGS, {"local": False, "timeout": timeout})
-            _session_timeouts[self.conn] = timeout
+        return self.session.transaction()
 
     # -- enqueue -------------------------------------------------------------------
     def enqueue(self, batch_id: str, tenant_id: str, tasks: Iterable[TaskSpec],
@@ -198,7 +103,7 @@ class Queue:
         several (jobrunner/worker/batch_handlers.py; set by the first enqueue that names one).
 
         All rows are validated and encoded before the transaction starts; the insert
-        itself is a COPY into a temporary table and one INSERT, whose rows with a key
+        itself is a COPY into a temporary table and one insert, whose rows with a key
         that exists are skipped by the task table's key trigger (migration 0017), so 100k
         tasks take seconds and a failure writes nothing.
         """
@@ -237,9 +142,8 @@ class Queue:
         if pool is not None:
             pool_rules.refuse_flow_control(batch_id, pool, named)
         with self._tx():
-            batch = self._execute(query("batch_ensure" if pool is None else "pool_batch_ensure"),
-                                  {"batch_id": batch_id, "tenant_id": tenant_id, "pool": pool,
-                                   "priority": priority}).fetchone()
+            batch = (batches.ensure(self.conn, batch_id, tenant_id) if pool is None else
+                     pools.ensure_batch(self.conn, batch_id, tenant_id, pool, priority))
             if batch["tenant_id"] != tenant_id:
                 raise BadInput(f"batch {batch_id!r} belongs to tenant {batch['tenant_id']!r}, "
                                f"not {tenant_id!r}")
@@ -249,32 +153,21 @@ class Queue:
             if handler is not None:
                 pools.set_batch_handler(self.conn, batch_id, handler)
             flow.require_known(self.conn, named, named)
-            self._execute(query("task_stage_create"))
-            with self.conn.cursor() as cur, cur.copy(
-                    "COPY jobrunner_enqueue_stage (task_key, shard_key, payload, max_attempts,"
-                    " limits, tokens) FROM STDIN") as copy:
-                # (the payload is already JSON text: sent as text, parsed by the server)
-                copy.set_types(["text", "text", "text", "int4", "text[]", "int8"])
-                for row in rows:
-                    copy.write_row(row)
+            task_store.stage(self.conn, rows)
             if reduce is not None:
-                self._execute(query("reduce_set"),
-                              {"batch_id": batch_id, "reduce": json.dumps(reduce)})
+                reduce_store.set_spec(self.conn, batch_id, json.dumps(reduce))
             if pool is None:
-                new = self._execute(query("task_insert_staged"),
-                                    {"batch_id": batch_id, "tenant_id": tenant_id}
-                                    ).fetchone()["new"]
+                new = task_store.insert_staged(self.conn, batch_id, tenant_id)
             else:
                 new = pools.enqueue_staged(self.conn, batch_id, tenant_id, pool, priority)
             # (a new statement: ensure_batch locked the batch row, so a reduce enqueued
             # before is visible, and none can be enqueued until this commits)
-            if new and self._execute(query("reduce_enqueued"),
-                                     {"batch_id": batch_id}).fetchone()["enqueued"]:
+            if new and reduce_store.enqueued(self.conn, batch_id):
                 raise BadInput(f"batch {batch_id!r} was reduced already: its reduce step ran "
                                "(or is running) over the tasks it had; enqueue under a new "
                                "batch id")
             if new:
-                self._execute(query("batch_notify"), {"batch_id": batch_id})
+                batches.notify(self.conn, batch_id)
         return EnqueueResult(new=new, existing=len(rows) - new)
 
     # -- the lease life cycle ------------------------------------------------------
@@ -310,13 +203,7 @@ class Queue:
                   "ids": [lease.id for lease in leases],
                   "attempts": [lease.attempt for lease in leases],
                   "visibility_timeout": self.timing.visibility_timeout}
-        cursors = self._one_round_trip([(query("task_heartbeat"), params)])
-        if cursors is not None:
-            return {r[0] for r in cursors[0].fetchall()}
-        with self._tx():
-            self._limit_statement_time()
-            rows = self._cursor().execute(query("task_heartbeat"), params).fetchall()
-        return {r[0] for r in rows}
+        return task_store.heartbeat(self.session, params)
 
     def ack(self, worker_id: str, lease: Lease, result: Any = None) -> bool:
         return lease.id in self.complete(worker_id, [Outcome(lease, True, result)])
@@ -335,20 +222,19 @@ class Queue:
                 "backoff_cap": self.timing.backoff_cap}
 
     def _fail(self, worker_id: str, outcome: Outcome) -> str | None:
-        row = self._execute(*self._failure_step(worker_id, outcome)).fetchone()
+        row = task_store.fail(self.conn, self._failure_step(worker_id, outcome))
         return row["status"] if row else None
 
-    def _failure_step(self, worker_id: str, outcome: Outcome) -> tuple[str, dict[str, Any]]:
-        """The statement that records a failed attempt: `fail`, or `throttle` for a
-        rate-limited one (which gives its attempt back)."""
+    def _failure_step(self, worker_id: str, outcome: Outcome) -> Step:
+        """The statement that records a failed attempt: `task_fail`, or `task_throttle`
+        for a rate-limited one (which gives its attempt back)."""
         params = self._fail_params(worker_id, outcome)
         if outcome.throttle_after is None:
-            return query("task_fail"), params
-        return query("task_throttle"), {
+            return task_store.FAIL, params
+        return task_store.THROTTLE, {
             "id": params["id"], "attempt": params["attempt"], "worker_id": worker_id,
             "error": params["error"], "retry_after": float(outcome.throttle_after),
             "max_throttles": self.timing.max_throttles}
-
 
     def complete(self, worker_id: str, outcomes: Sequence[Outcome]) -> set[int]:
         """Ack and fail many attempts in one transaction; returns the ids still held."""
@@ -379,7 +265,7 @@ class Queue:
                                ) -> tuple[set[int], set[int], list[Lease]]:
         """Finish the given attempts and claim up to `limit` new tasks in ONE transaction.
 
-        The acks and the claim are one statement (`ack_and_claim`), and any failures are
+        The acks and the claim are one statement (`task_ack_and_claim`), and any failures are
         pipelined in front of it, so a loop costs one network round trip and one commit:
         that is how a worker at claim batch size 1 gets past the two-commits-per-task
         bound. Only when an ack released a shard and the claim came back short does a
@@ -396,40 +282,40 @@ class Queue:
         failures = [o for o in outcomes if not o.ok]
         claiming = bool(limit and (batch_id is not None or pool is not None))
         target: str | tuple[str, str] | None = ("pool", pool) if pool is not None else batch_id
-        steps: list[tuple[str, Any]] = [self._failure_step(worker_id, f) for f in failures]
+        steps: list[Step] = [self._failure_step(worker_id, f) for f in failures]
         guarded = [(o, key) for o in successes for key in o.effects]
         if guarded:
             # In front of the ack, in its transaction: a success whose effects are not on
             # this server (lost in a failover) is not acked but runs again.
-            steps.append((query("task_end_missing_effects"), {
+            steps.append((task_store.END_MISSING_EFFECTS, {
                 "worker_id": worker_id, "ids": _int_array(o.lease.id for o, _ in guarded),
                 "attempts": _int_array(o.lease.attempt for o, _ in guarded),
                 "effect_keys": [key for _, key in guarded]}))
         after = self._scan_position(target) if claiming else None
         if claiming:
             self.limit_wait = None
+        statement: Statement
         if claiming and pool is not None:
-            # (no flow control in pools: jobrunner/store/workerpools.py)
-            statement = "task_ack_and_claim_pool"
+            statement = _CLAIM_POOL
         elif claiming and self._flow_controlled(batch_id):
-            statement = "task_ack_and_claim_limited"
+            statement = _CLAIM_LIMITED
         else:
-            statement = "task_ack_and_claim"
+            statement = _CLAIM
         if successes or claiming:
-            steps.append((query(statement), self._ack_and_claim_params(
+            steps.append((statement, self._ack_and_claim_params(
                 worker_id, successes, batch_id if claiming else None, limit, after,
                 pool if claiming else None)))
         kept, busy, leases = self._run_completion(failures, steps)
         if claiming and not leases and self.limit_wait is None \
-                and statement == "task_ack_and_claim_limited":
-            self.limit_wait = self._next_room()
+                and statement is _CLAIM_LIMITED:
+            self.limit_wait = flow.next_room(self.session)
         if claiming and len(leases) < limit and any(
                 o.lease.shard_key and o.lease.id in kept for o in successes):
             # The ack released a shard that the claim, reading the same snapshot, still
             # saw as busy: claim again so that shard's next task is not left waiting.
             again = self._ack_and_claim_params(worker_id, (), batch_id, limit - len(leases),
                                                after, pool)
-            _, _, more = self._run_completion([], [(query(statement), again)])
+            _, _, more = self._run_completion([], [(statement, again)])
             leases = sorted(leases + more, key=lambda lease: lease.id)
         if claiming:
             self._remember_scan_position(target, after, leases, limit)
@@ -440,16 +326,8 @@ class Queue:
     # A batch not (yet) under flow control is checked again this often (seconds).
     FLOW_CHECK_EVERY = 1.0
 
-    def _next_room(self) -> float | None:
-        """Seconds until a full limit has room again (None: none is waiting for time)."""
-        cursors = self._one_round_trip([(query("limit_next_room"), None)])
-        cur = cursors[0] if cursors is not None else self._cursor().execute(
-            query("limit_next_room"))
-        seconds = cur.fetchone()[0]
-        return None if seconds is None else max(0.0, float(seconds))
-
     def _flow_controlled(self, batch_id: str) -> bool:
-        """Whether the batch's claims must use ack_and_claim_limited: its tasks name
+        """Whether the batch's claims must use task_ack_and_claim_limited: its tasks name
         limits, or it has a budget (a flag that is only ever set). Checked on the first
         claim and then at most once a second: tasks with limits enqueued, or a budget
         set, while the batch runs are taken into account within a second (until then
@@ -459,16 +337,11 @@ class Queue:
         now = time.monotonic()
         if now - self._flow_checked.get(batch_id, -self.FLOW_CHECK_EVERY) < self.FLOW_CHECK_EVERY:
             return False
-        cursors = self._one_round_trip([(query("batch_flow_control"), {"batch_id": batch_id})])
-        if cursors is not None:
-            flow = bool(cursors[0].fetchone()[0])
-        else:
-            flow = bool(self._cursor().execute(query("batch_flow_control"),
-                                               {"batch_id": batch_id}).fetchone()[0])
+        controlled = batches.flow_controlled(self.session, batch_id)
         self._flow_checked[batch_id] = now
-        if flow:
+        if controlled:
             self._flow_batches.add(batch_id)
-        return flow
+        return controlled
 
     def forget_scan_position(self, target: str | tuple[str, str]) -> None:
         """The next claim scans from the start (tasks were laid before the position)."""
@@ -496,49 +369,16 @@ class Queue:
         full_scan_at = after[2] if after else time.monotonic()
         self._scan_from[target] = (position, last.id, full_scan_at)
 
-    def _run_completion(self, failures: Sequence[Outcome], steps: list[tuple[str, Any]]
+    def _run_completion(self, failures: Sequence[Outcome], steps: list[Step]
                         ) -> tuple[set[int], set[int], list[Lease]]:
-        if not failures and len(steps) == 1 and self._direct():
-            # The worker's loop without failures: one prepared statement (jobrunner/store/prepared.py).
-            prepared = _ACK_AND_CLAIM_BY_SQL[steps[0][0]]
-            return self._completed(set(), prepared.execute(self.conn, steps[0][1]))
-        cursors = self._one_round_trip(steps)
-        if cursors is None:
-            with self._tx():
-                self._limit_statement_time()
-                return self._from_cursors(failures, [
-                    self._cursor().execute(sql, params) for sql, params in steps])
-        return self._from_cursors(failures, cursors)
-
-    def _direct(self) -> bool:
-        """Whether ack_and_claim may run as this connection's own prepared statement: not
-        behind a transaction pooler or with prepared statements turned off, and not inside
-        a transaction the caller opened (the statement must be its own transaction)."""
-        conn = self.conn
-        if (self._pooled or conn.prepare_threshold is None
-                or conn.pgconn.transaction_status != _IDLE):
-            return False
-        if conn.autocommit:
-            self._session_settings()
-        else:
-            # (not inside a transaction of psycopg's own, which would then hold the claim)
-            conn.autocommit = True
-            try:
-                self._session_settings()
-            finally:
-                conn.autocommit = False
-        return True
-
-    def _from_cursors(self, failures: Sequence[Outcome], cursors: Sequence[psycopg.Cursor]
-                      ) -> tuple[set[int], set[int], list[Lease]]:
-        failed = {failure.lease.id for failure, cur in zip(failures, cursors, strict=False)
-                  if cur.fetchone() is not None}
-        rows = cursors[-1].fetchall() if len(cursors) > len(failures) else []
+        failed_rows, rows = task_store.complete(self.session, steps, len(failures))
+        failed = {failure.lease.id for failure, row in zip(failures, failed_rows, strict=True)
+                  if row is not None}
         return self._completed(failed, rows)
 
     def _completed(self, failed: set[int], rows: Sequence[tuple]
                    ) -> tuple[set[int], set[int], list[Lease]]:
-        """Sort ack_and_claim's rows (see sql/queries.sql) into kept, busy and leases
+        """Sort task_ack_and_claim's rows (sql/queries/task_store.sql) into kept, busy and leases
         (and a 'wait' row into limit_wait)."""
         kept = failed
         busy: set[int] = set()
@@ -561,24 +401,17 @@ class Queue:
         if not leases:
             return set()
         with self._tx():
-            rows = self._execute(query("task_release"), {
-                "worker_id": worker_id, "ids": [lease.id for lease in leases],
-                "attempts": [lease.attempt for lease in leases]}).fetchall()
-        return {r["id"] for r in rows}
+            return task_store.release(self.conn, worker_id, [lease.id for lease in leases],
+                                 [lease.attempt for lease in leases])
 
     def expire(self, limit: int = 1000) -> list[dict[str, Any]]:
         """Return expired leases to pending (or dead); any worker may call this."""
-        cursors = self._one_round_trip([(query("task_expire"), {"limit": limit})], dict_row)
-        if cursors is not None:
-            return cursors[0].fetchall()
-        with self._tx():
-            self._limit_statement_time()
-            return self._cursor(dict_row).execute(query("task_expire"), {"limit": limit}).fetchall()
+        return task_store.expire(self.session, limit)
 
     # -- batch administration ------------------------------------------------------
     def batch(self, batch_id: str) -> dict[str, Any]:
         with self._tx():
-            row = self._execute(query("batch_get"), {"batch_id": batch_id}).fetchone()
+            row = batches.get(self.conn, batch_id)
         if row is None:
             raise UnknownBatch(batch_id)
         return row
@@ -586,38 +419,34 @@ class Queue:
     def cancel(self, batch_id: str) -> int:
         self.batch(batch_id)
         with self._tx():
-            return self._execute(query("batch_cancel"), {"batch_id": batch_id}).rowcount
+            return batches.cancel(self.conn, batch_id)
 
     def requeue_dead(self, batch_id: str, task_keys: Sequence[str] | None = None) -> int:
         self.batch(batch_id)
         with self._tx():
-            count = self._execute(query("task_requeue_dead"), {
-                "batch_id": batch_id,
-                "task_keys": list(task_keys) if task_keys else None}).rowcount
+            count = task_store.requeue_dead(self.conn, batch_id, task_keys)
             if count:
-                self._execute(query("batch_notify"), {"batch_id": batch_id})
+                batches.notify(self.conn, batch_id)
         return count
 
     def list_dead(self, batch_id: str, limit: int = 1000) -> list[dict[str, Any]]:
         self.batch(batch_id)
         with self._tx():
-            return self._execute(query("task_list_dead"),
-                                     {"batch_id": batch_id, "limit": limit}).fetchall()
+            return task_store.list_dead(self.conn, batch_id, limit)
 
     def batch_open(self, batch_id: str) -> bool:
         """True while the batch has pending (due now or later) or leased tasks."""
         with self._tx():
-            return bool(self._execute(query("batch_open"),
-                                          {"batch_id": batch_id}).fetchone()["open"])
+            return batches.is_open(self.conn, batch_id)
 
     def counts(self, batch_id: str) -> dict[str, int]:
         with self._tx():
-            row = self._execute(query("batch_counts"), {"batch_id": batch_id}).fetchone()
+            row = batches.counts(self.conn, batch_id)
         return {status: int(row[status]) for status in STATUSES}
 
     def health(self, batch_id: str) -> dict[str, Any]:
         with self._tx():
-            row = self._execute(query("batch_health"), {"batch_id": batch_id}).fetchone()
+            row = batches.health(self.conn, batch_id)
         return {
             "stuck": int(row["stuck"]),
             "ready": int(row["ready"]),
@@ -625,7 +454,7 @@ class Queue:
             "next_run_in_seconds": _float(row["next_run_in_seconds"]),
         }
 
-    # -- flow control (jobrunner/store/flowcontrol.py) ----------------------------------------------
+    # -- flow control (jobrunner/store/flowcontrol.py) -----------------------------------
     def set_budget(self, batch_id: str, *, tokens: int | None = None,
                    cost: float | str | None = None) -> None:
         """Set or raise a batch's budget of tokens and/or cost (None: keep the current
@@ -644,9 +473,8 @@ class Queue:
         total = 0
         while True:
             with self._tx():
-                deleted = self._execute(query("task_delete_finished"), {
-                    "statuses": statuses, "older_than_seconds": older_than_seconds,
-                    "limit": batch_size, "archive": archive}).rowcount
+                deleted = task_store.delete_finished(self.conn, statuses, older_than_seconds,
+                                                batch_size, archive)
             total += deleted
             if deleted < batch_size:
                 return total

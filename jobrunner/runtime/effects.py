@@ -21,13 +21,11 @@ from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from jobrunner.model.errors import LeaseLost
 from jobrunner.model.types import Lease
-from jobrunner.store import db
-from jobrunner.store.sqlfiles import query
+from jobrunner.store import db, effects
 
 T = TypeVar("T")
 
@@ -73,14 +71,14 @@ class Effects:
                                   "effect_key": effect_key, "id": lease.id,
                                   "attempt": lease.attempt, "worker_id": worker_id}
         with self._connection() as conn, conn.transaction():
-            if conn.execute(query("effect_fence"), params).fetchone() is None:
+            if not effects.fence(conn, lease.id, lease.attempt, worker_id):
                 raise LeaseLost(f"task {lease.key!r} attempt {lease.attempt}: lease lost before "
                                 f"effect {effect_key!r}")
-            if conn.execute(query("effect_record"), params).fetchone() is None:
-                row = conn.execute(query("effect_lookup"), params).fetchone()
+            if not effects.record(conn, params):
+                row = effects.lookup(conn, params)
                 return row["result"] if row else None
             result = effect(conn)
-            conn.execute(query("effect_set_result"), {**params, "result": Jsonb(result)})
+            effects.set_result(conn, params, result)
             return result
 
     def close(self) -> None:

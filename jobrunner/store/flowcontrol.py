@@ -6,8 +6,8 @@ Guarantees (docs/flow-control.md has the reasoning and the algorithm):
   claim), `tokens` estimated tokens likewise (plus one task per lane), and at most
   `max_concurrent` live leases. The claim statement (task_ack_and_claim_limited in
   sql/queries/tasks.sql) checks and charges them on a lane of the limit it holds
-  locked, so concurrent claims cannot overrun them; a task whose limit is full is skipped (no lease held while it
-  waits) and others proceed.
+  locked, so concurrent claims cannot overrun them; a task whose limit is full is
+  skipped (no lease held while it waits) and others proceed.
 - A concurrency slot is freed in the statement that moves the task out of `leased`:
   ack, fail, throttle, release and lease expiry (so a killed worker's slot frees when
   its lease expires). Cancel and dead tasks hold none.
@@ -48,7 +48,11 @@ from jobrunner.model.usage import (
 )
 from jobrunner.model.validation import check_identifier, check_tokens
 from jobrunner.store import workerpools as pools
+from jobrunner.store.session import Mode, Session, Statement
 from jobrunner.store.sqlfiles import query
+
+# Asked by a worker whose claim found nothing: one statement, one round trip.
+NEXT_ROOM = Statement("limit_next_room", Mode.ROUND_TRIP)
 
 
 def set_limit(conn: psycopg.Connection, name: str, *, requests: int | None = None,
@@ -213,3 +217,8 @@ def batch_usage(conn: psycopg.Connection, batch_id: str, *, by_status: bool = Tr
                       exhausted=bool(row["exhausted"]), by_status=statuses)
 
 
+def next_room(session: Session) -> float | None:
+    """Seconds until a full limit has room again (None: none is waiting for time)."""
+    (cur,) = session.round_trip([(NEXT_ROOM, None)])
+    seconds = cur.fetchone()[0]
+    return None if seconds is None else max(0.0, float(seconds))

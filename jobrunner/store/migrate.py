@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import psycopg
+from psycopg.rows import tuple_row
 
-from jobrunner.store.sqlfiles import migrations
+from jobrunner.store.session import Statement, run
+from jobrunner.store.sqlfiles import Migration, migrations
 
 # Any constant works; it only has to be the same for every jobrunner process.
 _MIGRATION_LOCK_KEY = 0x6A6F6272756E  # "jobrun"
 
-_CREATE_VERSIONS = """
-CREATE TABLE IF NOT EXISTS jobrunner_schema_migrations (
-    version    int PRIMARY KEY,
-    name       text NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-)"""
+LOCK = Statement("migration_lock")
+TABLE_CREATE = Statement("migration_table_create")
+VERSIONS = Statement("migration_versions")
+RECORD = Statement("migration_record")
+TABLE_EXISTS = Statement("migration_table_exists")
+_CREATE_VERSIONS = TABLE_CREATE.sql
+
+
+def _versions(conn: psycopg.Connection) -> set[int]:
+    return {row[0] for row in run(conn, VERSIONS, row_factory=tuple_row)}
 
 
 def migrate(conn: psycopg.Connection) -> list[str]:
@@ -26,29 +32,27 @@ def migrate(conn: psycopg.Connection) -> list[str]:
     """
     applied_now: list[str] = []
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK_KEY,))
-        conn.execute(_CREATE_VERSIONS)
-        done = {row["version"] if isinstance(row, dict) else row[0]
-                for row in conn.execute("SELECT version FROM jobrunner_schema_migrations")}
+        run(conn, LOCK, {"key": _MIGRATION_LOCK_KEY})
+        run(conn, TABLE_CREATE)
+        done = _versions(conn)
         for migration in migrations():
             if migration.version in done:
                 continue
-            conn.execute(migration.sql.encode())
-            conn.execute(
-                "INSERT INTO jobrunner_schema_migrations (version, name) VALUES (%s, %s)",
-                (migration.version, migration.name))
+            apply(conn, migration)
             applied_now.append(f"{migration.version:04d}_{migration.name}")
     return applied_now
 
 
 def pending_migrations(conn: psycopg.Connection) -> list[str]:
-    exists = conn.execute(
-        "SELECT to_regclass('jobrunner_schema_migrations') IS NOT NULL AS e").fetchone()
-    flag = exists["e"] if isinstance(exists, dict) else exists[0]
-    done: set[int] = set()
-    if flag:
-        done = {row["version"] if isinstance(row, dict) else row[0]
-                for row in conn.execute("SELECT version FROM jobrunner_schema_migrations")}
+    exists = run(conn, TABLE_EXISTS).fetchone()["e"]
+    done = _versions(conn) if exists else set()
     if not conn.autocommit:
         conn.rollback()
     return [f"{m.version:04d}_{m.name}" for m in migrations() if m.version not in done]
+
+
+def apply(conn: psycopg.Connection, migration: Migration) -> None:
+    """Run one migration's file and record it, in the caller's transaction (the file is
+    sent as one simple query: it holds several statements)."""
+    conn.execute(migration.sql.encode())
+    run(conn, RECORD, {"version": migration.version, "name": migration.name})

@@ -1,8 +1,8 @@
-"""Worker pools (issue 18; docs/pools.md): long-lived workers that claim across every
+"""Worker pools (docs/pools.md): long-lived workers that claim across every
 open batch of a pool, fair across tenants.
 
 Guarantees (the claim's own, lease, fencing, shard exclusion, SIGTERM release, effects,
-reduce, hold unchanged: a pool claim is ack_and_claim with another candidate scan):
+reduce, hold unchanged: a pool claim is task_ack_and_claim with another candidate scan):
 - A batch belongs to at most one pool, set at its first enqueue and never changed; an
   enqueue that names another pool (or none, for a pool's batch) is refused, writing
   nothing.
@@ -18,7 +18,7 @@ reduce, hold unchanged: a pool claim is ack_and_claim with another candidate sca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.rows import dict_row, tuple_row
@@ -114,3 +114,21 @@ def pool_has_work(conn: psycopg.Connection, pool: str) -> bool:
     with conn.transaction():
         return bool(conn.cursor(row_factory=tuple_row).execute(
             query("pool_open"), {"pool": pool}).fetchone()[0])
+
+
+def ensure_batch(conn: psycopg.Connection, batch_id: str, tenant_id: str, pool: str,
+                 priority: int) -> dict[str, Any]:
+    """batches.ensure for a batch enqueued into a pool: the pool and priority are set at
+    the batch's first enqueue (the caller refuses a later one that names others)."""
+    return conn.cursor(row_factory=dict_row).execute(query("pool_batch_ensure"), {
+        "batch_id": batch_id, "tenant_id": tenant_id, "pool": pool,
+        "priority": priority}).fetchone()
+
+
+def work(conn: psycopg.Connection, pool: str, cap: int) -> tuple[int, int]:
+    """(pending and due, leased) of the pool's batches, each counted up to `cap`, in
+    its own short transaction."""
+    with conn.transaction():
+        row = conn.cursor(row_factory=dict_row).execute(
+            query("pool_work"), {"pool": pool, "cap": cap}).fetchone()
+    return int(row["pending"]), int(row["leased"])

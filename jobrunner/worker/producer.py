@@ -31,7 +31,7 @@ from jobrunner.model.types import Lease, Outcome
 from jobrunner.queue.client import Queue
 from jobrunner.runtime.effects import Effects
 from jobrunner.runtime.task import Task
-from jobrunner.store import db
+from jobrunner.store import db, session
 from jobrunner.worker.completer import Completer
 from jobrunner.worker.connection import QueueConnection
 from jobrunner.worker.executor import Executor
@@ -54,7 +54,8 @@ class ClaimParams:
     worker_id: str
     batch_id: str | None  # None: a pool worker
     limit: int  # the claim batch size: at most this many tasks per claim
-    pool: str | None = None  # claim across every open batch of this pool (jobrunner/store/workerpools.py)
+    # claim across every open batch of this pool (jobrunner/store/workerpools.py)
+    pool: str | None = None
 
     @classmethod
     def of(cls, config: WorkerConfig) -> ClaimParams:
@@ -254,8 +255,7 @@ class Producer:
                 with db.connect(self.config.dsn, autocommit=True,
                                 purpose="jobrunner-listen", connect_timeout=3) as conn:
                     pool = self.claim.pool
-                    conn.execute("LISTEN jobrunner_pool" if pool is not None
-                                 else "LISTEN jobrunner_queue")
+                    session.listen(conn, pools=pool is not None)
                     while not state.stopping.is_set():
                         for note in conn.notifies(timeout=1.0):
                             if pool is not None and note.payload == pool:

@@ -1,0 +1,54 @@
+"""Batches (agent_batch): creation, cancellation, status. Statements only
+(sql/queries/batches.sql)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from jobrunner.store.session import Mode, Session, Statement, run
+
+ENSURE = Statement("batch_ensure")
+NOTIFY = Statement("batch_notify")
+CANCEL = Statement("batch_cancel")
+GET = Statement("batch_get")
+COUNTS = Statement("batch_counts")
+HEALTH = Statement("batch_health")
+OPEN = Statement("batch_open")
+# Read by a worker between claims: one statement, one round trip.
+FLOW_CONTROL = Statement("batch_flow_control", Mode.ROUND_TRIP)
+
+
+def ensure(conn: psycopg.Connection, batch_id: str, tenant_id: str) -> dict[str, Any]:
+    """Record the batch (idempotent) and lock its row until the transaction ends."""
+    return run(conn, ENSURE, {"batch_id": batch_id, "tenant_id": tenant_id}).fetchone()
+
+
+def notify(conn: psycopg.Connection, batch_id: str) -> None:
+    run(conn, NOTIFY, {"batch_id": batch_id})
+
+
+def get(conn: psycopg.Connection, batch_id: str) -> dict[str, Any] | None:
+    return run(conn, GET, {"batch_id": batch_id}).fetchone()
+
+
+def cancel(conn: psycopg.Connection, batch_id: str) -> int:
+    return run(conn, CANCEL, {"batch_id": batch_id}).rowcount
+
+
+def counts(conn: psycopg.Connection, batch_id: str) -> dict[str, Any]:
+    return run(conn, COUNTS, {"batch_id": batch_id}).fetchone()
+
+
+def health(conn: psycopg.Connection, batch_id: str) -> dict[str, Any]:
+    return run(conn, HEALTH, {"batch_id": batch_id}).fetchone()
+
+
+def is_open(conn: psycopg.Connection, batch_id: str) -> bool:
+    return bool(run(conn, OPEN, {"batch_id": batch_id}).fetchone()["open"])
+
+
+def flow_controlled(session: Session, batch_id: str) -> bool:
+    (cur,) = session.round_trip([(FLOW_CONTROL, {"batch_id": batch_id})])
+    return bool(cur.fetchone()[0])

@@ -1,0 +1,118 @@
+"""Tasks (agent_work_queue): enqueue, the lease life cycle, retention. Statements only
+(sql/queries/tasks.sql); the queue's policy (fencing outcomes, scan positions, which
+claim a batch takes) is jobrunner/queue/client.py's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from jobrunner.store.session import Mode, Session, Statement, Step, run
+
+STAGE_CREATE = Statement("task_stage_create")
+STAGE_COPY = Statement("task_stage_copy")
+FROM_STAGE = Statement("task_insert_staged")
+# The worker's per-task statement: one per claim kind (docs/flow-control.md, docs/pools.md).
+ACK_AND_CLAIM = Statement("task_ack_and_claim", Mode.PREPARED)
+ACK_AND_CLAIM_LIMITED = Statement("task_ack_and_claim_limited", Mode.PREPARED)
+ACK_AND_CLAIM_POOL = Statement("task_ack_and_claim_pool", Mode.PREPARED)
+# Sent in the pipeline of the ack and claim they go with (one transaction, one round trip).
+FAIL = Statement("task_fail", Mode.ROUND_TRIP)
+THROTTLE = Statement("task_throttle", Mode.ROUND_TRIP)
+END_MISSING_EFFECTS = Statement("task_end_missing_effects", Mode.ROUND_TRIP)
+HEARTBEAT = Statement("task_heartbeat", Mode.ROUND_TRIP)
+EXPIRE = Statement("task_expire", Mode.ROUND_TRIP)
+RELEASE = Statement("task_release")
+REQUEUE_DEAD = Statement("task_requeue_dead")
+LIST_DEAD = Statement("task_list_dead")
+DELETE_FINISHED = Statement("task_delete_finished")
+STATS = Statement("task_stats")
+
+# The COPY's column types: the payload is already JSON text (parsed by the server).
+_STAGE_TYPES = ["text", "text", "text", "int4", "text[]", "int8"]
+
+
+def stage(conn: psycopg.Connection, rows: Iterable[Sequence[Any]]) -> None:
+    """In the enqueue's transaction: COPY validated rows (key, shard, payload JSON text,
+    max attempts, limits, tokens) into a staging table dropped at commit."""
+    run(conn, STAGE_CREATE)
+    with conn.cursor() as cur, cur.copy(STAGE_COPY.sql) as copy:
+        copy.set_types(_STAGE_TYPES)
+        for row in rows:
+            copy.write_row(row)
+
+
+def insert_staged(conn: psycopg.Connection, batch_id: str, tenant_id: str) -> int:
+    """In the enqueue's transaction: insert the staged tasks of a batch without a pool;
+    how many were new (existing keys are skipped)."""
+    return int(run(conn, FROM_STAGE, {"batch_id": batch_id, "tenant_id": tenant_id}
+                   ).fetchone()["new"])
+
+
+def complete(session: Session, steps: Sequence[Step], failures: int
+             ) -> tuple[list[tuple | None], list[tuple]]:
+    """Run a loop's steps (`failures` failure steps first, an optional effects guard,
+    then the ack and claim) as one transaction: the claim alone as a prepared statement,
+    anything more as one round trip. Returns each failure step's row (None: its lease
+    was lost) and the ack and claim's rows."""
+    if not failures and len(steps) == 1:
+        rows = session.prepared(*steps[0])  # type: ignore[arg-type]
+        if rows is not None:
+            return [], rows
+    cursors = session.round_trip(steps)
+    failed = [cur.fetchone() for cur in cursors[:failures]]
+    rows = cursors[-1].fetchall() if len(cursors) > failures else []
+    return failed, rows
+
+
+def fail(conn: psycopg.Connection, step: Step) -> dict[str, Any] | None:
+    """A failure step on its own, in the caller's transaction: the task's row, or None
+    when the lease was lost."""
+    statement, params = step
+    return run(conn, statement, params).fetchone()
+
+
+def heartbeat(session: Session, params: Mapping[str, Any]) -> set[int]:
+    (cur,) = session.round_trip([(HEARTBEAT, params)])
+    return {r[0] for r in cur.fetchall()}
+
+
+def expire(session: Session, limit: int) -> list[dict[str, Any]]:
+    (cur,) = session.round_trip([(EXPIRE, {"limit": limit})], dict_row)
+    return cur.fetchall()
+
+
+def release(conn: psycopg.Connection, worker_id: str, ids: Sequence[int],
+            attempts: Sequence[int]) -> set[int]:
+    rows = run(conn, RELEASE, {"worker_id": worker_id, "ids": list(ids),
+                               "attempts": list(attempts)}).fetchall()
+    return {r["id"] for r in rows}
+
+
+def requeue_dead(conn: psycopg.Connection, batch_id: str,
+                 task_keys: Sequence[str] | None) -> int:
+    return run(conn, REQUEUE_DEAD, {"batch_id": batch_id,
+                                    "task_keys": list(task_keys) if task_keys else None}
+               ).rowcount
+
+
+def list_dead(conn: psycopg.Connection, batch_id: str, limit: int) -> list[dict[str, Any]]:
+    return run(conn, LIST_DEAD, {"batch_id": batch_id, "limit": limit}).fetchall()
+
+
+def delete_finished(conn: psycopg.Connection, statuses: Sequence[str],
+                    older_than_seconds: float, limit: int, archive: bool) -> int:
+    return run(conn, DELETE_FINISHED, {"statuses": list(statuses),
+                                       "older_than_seconds": older_than_seconds,
+                                       "limit": limit, "archive": archive}).rowcount
+
+
+def stats(conn: psycopg.Connection, batch_id: str, reserved_keys: Iterable[str]
+          ) -> dict[str, Any]:
+    """The batch's attempts, task count and median latency of done tasks (the tasks
+    with reserved keys left out)."""
+    return run(conn, STATS, {"batch_id": batch_id, "reserved_keys": list(reserved_keys)}
+               ).fetchone()
