@@ -389,7 +389,7 @@ def _reduce_state(**changes) -> reduce.ReduceState:
 ])
 def test_operator_phase_with_a_reduce(job, counts, state, expected):
     from jobrunner.features.manifest import parse_batchrun
-    from jobrunner.operator.batchrun import _phase
+    from jobrunner.operator.phase import job_run_phase
 
     run = parse_batchrun({"apiVersion": "jobrunner.dev/v1alpha1", "kind": "BatchRun",
                           "metadata": {"name": "r"},
@@ -397,7 +397,7 @@ def test_operator_phase_with_a_reduce(job, counts, state, expected):
                                    "reduce": {"handler": "m:g"}}})
     full = {"pending": 0, "leased": 0, "done": 0, "dead": 0, "cancelled": 0, **counts}
     full["total"] = sum(full.values())
-    phase, reason, message = _phase(run, _job(job), full, "b", _reduce_state(**state))
+    phase, reason, message = job_run_phase(run, _job(job), full, "b", _reduce_state(**state))
     assert (phase, reason) == expected, message
     if reason == "ReduceFailed":
         assert "boom" in message

@@ -186,13 +186,12 @@ def _counts(**kw: int) -> dict[str, int]:
 
 
 def test_a_pool_runs_phase_comes_from_the_queue_alone():
-    from jobrunner.operator.batchrun import _phase_of
-    from jobrunner.operator.batchrun_pools import phase
+    from jobrunner.operator.phase import pool_run_phase
 
     run = run_with()
 
     def of(counts: dict[str, int], deadline_hit: bool = False) -> tuple[str, str, str]:
-        return phase(run, counts, "b", None, deadline_hit, "team-a/graders", _phase_of)
+        return pool_run_phase(run, counts, "b", None, deadline_hit, "team-a/graders")
 
     p, reason, message = of(_counts(pending=2, leased=1, done=3))
     assert (p, reason) == ("Running", "Running") and message.endswith("in pool team-a/graders")

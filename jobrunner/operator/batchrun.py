@@ -9,30 +9,24 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 import kopf
 
 from jobrunner.features import generators
 from jobrunner.features import reduce as reduce_step
+from jobrunner.features import status as batch_status
 from jobrunner.features.manifest import BatchRunSpec, parse_batchrun
-from jobrunner.features.results import top_errors_status
 from jobrunner.model.errors import BadInput, UnknownBatch
-from jobrunner.model.redact import redact_text
 from jobrunner.operator import batchrun_pools as pool_runs
 from jobrunner.operator import flowcontrol, kube, metrics, pods
 from jobrunner.operator.config import CONFIG, GROUP, PLURAL, VERSION
 from jobrunner.operator.database import DatabaseProblem, queue_for, read_dsn
 from jobrunner.operator.jobs import api_error_detail, build_job, default_batch_id, job_name
 from jobrunner.operator.kube import ApiError, plain
+from jobrunner.operator.phase import job_finished, job_run_phase, pool_run_phase
 from jobrunner.operator.sources import SourceUnavailable, config_map_source
-from jobrunner.operator.status import (
-    TERMINAL,
-    get_condition,
-    now_iso,
-    run_conditions,
-    set_condition,
-)
+from jobrunner.operator.status import TERMINAL, Reconcile, event, now_iso, run_conditions, safe
 
 log = logging.getLogger("jobrunner.controller")
 
@@ -126,215 +120,200 @@ def cancel_pending(body: kopf.Body, status: kopf.Status, retry: int, **_: Any) -
         return
     except (DatabaseProblem, BadInput) as exc:
         if retry >= CONFIG.delete_retries:
-            _event(body, "Warning", "CancelFailed", message=_safe(
+            event(body, "Warning", "CancelFailed", message=(
                 f"gave up cancelling the pending tasks of batch {batch_id} after {retry + 1} "
                 f"attempts ({exc}); cancel them with `jobrunner cancel --batch {batch_id}`"))
             return
-        raise kopf.TemporaryError(_safe(str(exc)), delay=3) from None
-    _event(body, "Normal", "Cancelled",
-              message=f"BatchRun deleted: {cancelled} pending task(s) of batch {batch_id} "
-                      "cancelled")
-
-
-def _event(body: kopf.Body, type_: str, reason: str, message: str) -> None:
-    """Post a Kubernetes Event (explicit: kopf.info/warn would obey the log posting level)."""
-    kopf.event(body, type=type_, reason=reason, message=_safe(message)[:1024])
-
-
-def _safe(text: str) -> str:
-    return redact_text(text)
+        raise kopf.TemporaryError(safe(str(exc)), delay=3) from None
+    event(body, "Normal", "Cancelled",
+          message=f"BatchRun deleted: {cancelled} pending task(s) of batch {batch_id} "
+                  "cancelled")
 
 
 def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int) -> None:
-    meta = body.metadata
-    ns, name, uid = meta.namespace, meta.name, meta.uid
-    generation = meta.get("generation")
-    conditions: list[dict[str, Any]] = list(st.get("conditions") or [])
-    milestones: dict[str, Any] = dict(st.get("milestones") or {})
-    new: dict[str, Any] = {}
-
+    rc = Reconcile.of(body, st, patch)
     if st.get("phase") in TERMINAL:
-        if st.get("observedGeneration") != generation:
-            patch.status["observedGeneration"] = generation
+        if st.get("observedGeneration") != rc.generation:
+            patch.status["observedGeneration"] = rc.generation
         if (st.get("counts") or {}).get("leased"):
-            _settle_leases(body, st, patch)
+            _settle_leases(rc)
         return
-
-    try:
-        run = _parse(body)
-    except BadInput as exc:
-        conditions = set_condition(conditions, "Failed", True, "InvalidSpec", str(exc), generation)
-        _apply(patch, st, {"phase": "Failed", "message": str(exc), "conditions": conditions,
-                           "observedGeneration": generation})
-        _event(body, "Warning", "InvalidSpec", message=str(exc))
-        raise kopf.PermanentError(str(exc)) from None
-
-    batch_id = st.get("batchId") or run.batch_id or default_batch_id(ns, name, uid)
-    new["batchId"] = batch_id
+    run = _parse_or_fail(rc)
+    batch_id = st.get("batchId") or run.batch_id or default_batch_id(
+        rc.namespace, rc.name, body.metadata.uid)
+    rc.new["batchId"] = batch_id
     secret, key = _db_secret(run)
     tasks = run.tasks
-    if run.config_map is not None and not milestones.get("enqueued"):
-        tasks = _read_config_map(body, st, patch, run, conditions, milestones, new, generation)
-
+    if run.config_map is not None and not rc.milestones.get("enqueued"):
+        tasks = _read_config_map(rc, run)
     pool_name = None
     if run.pool is not None:
-        new["pool"] = pool_runs.queue_pool(ns, run.pool)
-        pool_name = pool_runs.admit(body, st, patch, run, conditions, milestones, new,
-                                    generation, (secret, key))
+        rc.new["pool"] = pool_runs.queue_pool(rc.namespace, run.pool)
+        pool_name = pool_runs.admit(rc, run, (secret, key))
     deadline_hit = False
     try:
-        dsn = read_dsn(ns, secret, key)
-        with queue_for(dsn) as queue:
-            if not milestones.get("enqueued"):
-                try:
-                    flowcontrol.check_limits(queue, run)
-                    message = _enqueue(queue, run, batch_id, tasks, pool_name)
-                except BadInput as exc:
-                    _refuse(body, st, patch, conditions, new, exc, generation)
-                milestones["enqueued"] = True
-                conditions = set_condition(conditions, "Enqueued", True, "Enqueued", message,
-                                           generation)
-                _event(body, "Normal", "Enqueued", message=message)
+        with queue_for(read_dsn(rc.namespace, secret, key)) as queue:
+            if not rc.milestones.get("enqueued"):
+                _first_enqueue(rc, queue, run, batch_id, tasks, pool_name)
             queue.expire()  # rescue leases of dead pods even if no worker is left alive
             if pool_name is not None:
                 deadline_hit = pool_runs.enforce_deadline(queue, run, st, batch_id)
-            # The reduce, if the batch settled and no worker enqueued it yet (the trigger
-            # is idempotent: any number of callers enqueue it once).
-            reduce = reduce_step.trigger(queue.conn, batch_id)
-            counts = queue.counts(batch_id)
-            counts["stuck"] = queue.health(batch_id)["stuck"]
-            gen = (generators.state(queue.conn, batch_id) if run.generator is not None
-                   else None)
-            new.update(_outcome_status(queue, st, batch_id, counts, reduce))
-            new["budget"] = flowcontrol.apply_budget(queue, run, st, batch_id)
+            # The reduce is triggered here too, if the batch settled and no worker enqueued
+            # it yet (the trigger is idempotent: any number of callers enqueue it once).
+            batch = batch_status.read(queue, batch_id, trigger_reduce=True,
+                                      generator=run.generator is not None)
+            rc.new.update(_outcome_status(queue, st, batch))
+            rc.new["budget"] = flowcontrol.apply_budget(queue, run, st, batch_id)
             flow = flowcontrol.observe(queue, run, st, batch_id)
-            new.update(flow.status)
+            rc.new.update(flow.status)
     except DatabaseProblem as problem:
-        _database_problem(body, st, patch, conditions, milestones, new, problem, generation)
-        raise kopf.TemporaryError(_safe(str(problem)),
+        _database_problem(rc, problem)
+        raise kopf.TemporaryError(safe(str(problem)),
                                   delay=min(60, 5 * 2 ** min(retry, 4))) from None
     except UnknownBatch:
-        message = (f"waiting for tasks: enqueue them under batch {batch_id} "
-                   f"(jobrunner enqueue --batch {batch_id} …)")
-        conditions = set_condition(conditions, "Enqueued", False, "WaitingForTasks", message,
-                                   generation)
-        conditions = set_condition(conditions, "Reconciling", True, "WaitingForTasks", message,
-                                   generation)
-        _apply(patch, st, {**new, "phase": "Pending", "conditions": conditions,
-                           "observedGeneration": generation, "milestones": milestones})
-        raise kopf.TemporaryError(message, delay=10) from None
+        _wait_for_tasks(rc, batch_id)
 
-    counts["total"] = sum(counts[s] for s in ("pending", "leased", "done", "dead", "cancelled"))
+    counts = batch.status_counts()
     if pool_name is not None:
         # No Job: the pool's Deployment runs the workers; the phase comes from the queue.
-        new["activeDeadlineSeconds"] = run.effective_deadline()
-        new["activeDeadlineSource"] = ("spec" if run.active_deadline is not None
-                                       else "default: max(1 day, 3 x visibilityTimeoutSeconds"
-                                            " + 60)")
-        new["startTime"] = st.get("startTime") or now_iso()
-        phase, reason, message = pool_runs.phase(run, counts, batch_id, reduce, deadline_hit,
-                                                 pool_name, _phase_of)
-        _finish(body, st, patch, new, conditions, milestones, phase, reason, message, counts,
-                generation, flow)
+        rc.new["activeDeadlineSeconds"] = run.effective_deadline()
+        rc.new["activeDeadlineSource"] = _deadline_source(run)
+        rc.new["startTime"] = st.get("startTime") or now_iso()
+        phase, reason, message = pool_run_phase(run, counts, batch_id, batch.reduce,
+                                                deadline_hit, pool_name)
+        _finish(rc, phase, reason, message, counts, flow)
         return
-    job = _ensure_job(body, run, st, batch_id, secret, key)
-    new["jobName"] = job["metadata"]["name"]
-    new["activeDeadlineSeconds"] = job["spec"].get("activeDeadlineSeconds")
-    new["activeDeadlineSource"] = ("spec" if run.active_deadline is not None
-                                   else "default: max(1 day, 3 x visibilityTimeoutSeconds + 60)")
-    new["startTime"] = st.get("startTime") or now_iso()
+    job = _ensure_job(rc, run, batch_id, secret, key)
+    rc.new["jobName"] = job["metadata"]["name"]
+    rc.new["activeDeadlineSeconds"] = job["spec"].get("activeDeadlineSeconds")
+    rc.new["activeDeadlineSource"] = _deadline_source(run)
+    rc.new["startTime"] = st.get("startTime") or now_iso()
+    gen = batch.generator
     if gen is not None and gen.configured:
-        new["generator"] = _generator_status(gen, counts)
-        conditions = _generator_condition(body, conditions, milestones, gen, counts, generation)
-    phase, reason, message = _phase(run, job, counts, batch_id, reduce, gen)
+        rc.new["generator"] = _generator_status(gen, counts)
+        _generator_condition(rc, gen, counts)
+    phase, reason, message = job_run_phase(run, job, counts, batch_id, batch.reduce, gen)
     if phase == "Running":
-        conditions, stuck = _worker_health(body, job, conditions, generation)
+        stuck = _worker_health(rc, job)
         if stuck is not None:
             phase, reason = "Failed", stuck.reason
-            message = (f"{_safe(stuck.describe())}; no worker started in "
+            message = (f"{safe(stuck.describe())}; no worker started in "
                        f"{pods.START_TIMEOUT:g}s. {message}. Unfinished tasks stay in the queue: "
                        "retry with a new BatchRun with source: {external: {}} and batchId "
                        f"{batch_id}")
             _stop_job(job)
-    _finish(body, st, patch, new, conditions, milestones, phase, reason, message, counts,
-            generation, flow)
+    _finish(rc, phase, reason, message, counts, flow)
 
 
-def _finish(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, new: dict[str, Any],
-            conditions: list[dict[str, Any]], milestones: dict[str, Any], phase: str,
-            reason: str, message: str, counts: dict[str, int], generation: int,
+def _deadline_source(run: BatchRunSpec) -> str:
+    return ("spec" if run.active_deadline is not None
+            else "default: max(1 day, 3 x visibilityTimeoutSeconds + 60)")
+
+
+def _parse_or_fail(rc: Reconcile) -> BatchRunSpec:
+    """The run's spec; an invalid one fails the run for good (a spec change retries)."""
+    try:
+        return _parse(rc.body)
+    except BadInput as exc:
+        rc.condition("Failed", True, "InvalidSpec", str(exc))
+        rc.apply({"phase": "Failed", "message": str(exc), "conditions": rc.conditions,
+                  "observedGeneration": rc.generation})
+        rc.event("Warning", "InvalidSpec", str(exc))
+        raise kopf.PermanentError(str(exc)) from None
+
+
+def _first_enqueue(rc: Reconcile, queue: Any, run: BatchRunSpec, batch_id: str, tasks: Any,
+                   pool_name: str | None) -> None:
+    try:
+        flowcontrol.check_limits(queue, run)
+        message = _enqueue(queue, run, batch_id, tasks, pool_name)
+    except BadInput as exc:
+        # The queue refused the run's tasks (an unknown limit, a cancelled batch, ...):
+        # nothing was written; the run fails with the reason, for good.
+        rc.refuse("UnknownLimit" if isinstance(exc, flowcontrol.UnknownLimit)
+                  else "EnqueueRefused", str(exc))
+    rc.milestones["enqueued"] = True
+    rc.condition("Enqueued", True, "Enqueued", message)
+    rc.event("Normal", "Enqueued", message)
+
+
+def _wait_for_tasks(rc: Reconcile, batch_id: str) -> NoReturn:
+    """source: external and the batch does not exist yet: Pending until it does."""
+    message = (f"waiting for tasks: enqueue them under batch {batch_id} "
+               f"(jobrunner enqueue --batch {batch_id} …)")
+    rc.condition("Enqueued", False, "WaitingForTasks", message)
+    rc.condition("Reconciling", True, "WaitingForTasks", message)
+    rc.apply({**rc.new, "phase": "Pending", "conditions": rc.conditions,
+              "observedGeneration": rc.generation, "milestones": rc.milestones})
+    raise kopf.TemporaryError(message, delay=10) from None
+
+
+def _finish(rc: Reconcile, phase: str, reason: str, message: str, counts: dict[str, int],
             flow: Any) -> None:
     """The phase's conditions, Events, status and metrics: the same for a run on its own
     Job and a run in a WorkerPool."""
-    ns, name = body.metadata.namespace, body.metadata.name
     phase, reason, message = flowcontrol.budget_phase(phase, reason, message, flow, counts,
-                                                      name)
-    conditions, budget_event = flowcontrol.budget_condition(conditions, phase, message, flow,
-                                                            generation)
+                                                      rc.name)
+    rc.conditions, budget_event = flowcontrol.budget_condition(rc.conditions, phase, message,
+                                                               flow, rc.generation)
     if budget_event:
-        _event(body, *budget_event)
-    new.update(phase=phase, counts=counts, message=message, observedGeneration=generation)
+        rc.event(*budget_event)
+    rc.new.update(phase=phase, counts=counts, message=message,
+                  observedGeneration=rc.generation)
     if phase in TERMINAL:
-        new["completionTime"] = st.get("completionTime") or now_iso()
-    conditions = run_conditions(conditions, phase, reason, message, counts, generation)
-    _milestone_events(body, milestones, counts, phase, message)
-    new["milestones"] = milestones
-    new["conditions"] = conditions
-    _apply(patch, st, new)
-    metrics.record(ns, name, phase, counts)
-    flowcontrol.record_metrics(ns, name, flow)
+        rc.new["completionTime"] = rc.current.get("completionTime") or now_iso()
+    rc.conditions = run_conditions(rc.conditions, phase, reason, message, counts,
+                                   rc.generation)
+    _milestone_events(rc, counts, phase, message)
+    rc.new["milestones"] = rc.milestones
+    rc.new["conditions"] = rc.conditions
+    rc.apply(rc.new)
+    metrics.record(rc.namespace, rc.name, phase, counts)
+    flowcontrol.record_metrics(rc.namespace, rc.name, flow)
 
 
-def _settle_leases(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
+def _settle_leases(rc: Reconcile) -> None:
     """A run that ended with tasks still leased (pods killed by the deadline): keep
     rescuing and counting until their leases expired, so status shows where they went."""
     try:
-        run = _parse(body)
+        run = _parse(rc.body)
         secret, key = _db_secret(run)
-        with queue_for(read_dsn(body.metadata.namespace, secret, key)) as queue:
+        with queue_for(read_dsn(rc.namespace, secret, key)) as queue:
             queue.expire()
-            counts = queue.counts(st["batchId"])
-            counts["stuck"] = queue.health(st["batchId"])["stuck"]
+            batch = batch_status.read(queue, rc.current["batchId"], reduce=False,
+                                      generator=False)
     except (DatabaseProblem, BadInput):
         return
-    counts["total"] = sum(counts[s] for s in ("pending", "leased", "done", "dead", "cancelled"))
-    _apply(patch, st, {"counts": counts})
+    rc.apply({"counts": batch.status_counts()})
 
 
-def _read_config_map(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
-                     run: BatchRunSpec, conditions: list[dict[str, Any]],
-                     milestones: dict[str, Any], new: dict[str, Any], generation: int) -> Any:
+def _read_config_map(rc: Reconcile, run: BatchRunSpec) -> Any:
     """The tasks of source.configMap. A bad line fails the run (nothing is enqueued: every
     line is checked first); a ConfigMap that cannot be read yet keeps it Pending."""
-    ns, name = body.metadata.namespace, body.metadata.name
+    ns, name = rc.namespace, rc.name
     try:
         return config_map_source(ns, run, f"BatchRun {ns}/{name}")
     except BadInput as exc:
-        message = _safe(f"{exc}; nothing was enqueued")
-        conditions = set_condition(conditions, "Enqueued", False, "InvalidSource", message,
-                                   generation)
-        conditions = set_condition(conditions, "Failed", True, "InvalidSource", message,
-                                   generation)
-        conditions = set_condition(conditions, "Stalled", True, "InvalidSource", message,
-                                   generation)
-        conditions = set_condition(conditions, "Reconciling", False, "InvalidSource", message,
-                                   generation)
-        _apply(patch, st, {**new, "phase": "Failed", "message": message,
-                           "conditions": conditions, "observedGeneration": generation,
-                           "completionTime": now_iso()})
-        _event(body, "Warning", "InvalidSource", message=message)
+        message = safe(f"{exc}; nothing was enqueued")
+        rc.condition("Enqueued", False, "InvalidSource", message)
+        rc.condition("Failed", True, "InvalidSource", message)
+        rc.condition("Stalled", True, "InvalidSource", message)
+        rc.condition("Reconciling", False, "InvalidSource", message)
+        rc.apply({**rc.new, "phase": "Failed", "message": message,
+                  "conditions": rc.conditions, "observedGeneration": rc.generation,
+                  "completionTime": now_iso()})
+        rc.event("Warning", "InvalidSource", message)
         raise kopf.PermanentError(message) from None
     except SourceUnavailable as exc:
-        message = _safe(str(exc))
-        previous = get_condition(conditions, "Enqueued")
-        conditions = set_condition(conditions, "Enqueued", False, exc.reason, message, generation)
-        conditions = set_condition(conditions, "Reconciling", True, exc.reason, message,
-                                   generation)
-        _apply(patch, st, {**new, "phase": "Pending", "message": message,
-                           "conditions": conditions, "observedGeneration": generation,
-                           "milestones": milestones})
+        message = safe(str(exc))
+        previous = rc.previous("Enqueued")
+        rc.condition("Enqueued", False, exc.reason, message)
+        rc.condition("Reconciling", True, exc.reason, message)
+        rc.apply({**rc.new, "phase": "Pending", "message": message,
+                  "conditions": rc.conditions, "observedGeneration": rc.generation,
+                  "milestones": rc.milestones})
         if not previous or previous.get("reason") != exc.reason:
-            _event(body, "Warning", exc.reason, message=message)
+            rc.event("Warning", exc.reason, message)
         raise kopf.TemporaryError(message, delay=5) from None
 
 
@@ -365,29 +344,13 @@ def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str, tasks: Any,
             + limits)
 
 
-def _refuse(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
-            conditions: list[dict[str, Any]], new: dict[str, Any], exc: BadInput,
-            generation: int) -> None:
-    """The queue refused the run's tasks (an unknown limit, a cancelled batch, ...):
-    nothing was written; the run fails with the reason, for good."""
-    message = _safe(str(exc))
-    reason = "UnknownLimit" if isinstance(exc, flowcontrol.UnknownLimit) else "EnqueueRefused"
-    conditions = set_condition(conditions, "Enqueued", False, reason, message, generation)
-    conditions = run_conditions(conditions, "Failed", reason, message, {}, generation)
-    _apply(patch, st, {**new, "phase": "Failed", "message": message, "conditions": conditions,
-                       "observedGeneration": generation,
-                       "completionTime": st.get("completionTime") or now_iso()})
-    _event(body, "Warning", reason, message=message)
-    metrics.record(body.metadata.namespace, body.metadata.name, "Failed", {})
-    raise kopf.PermanentError(message)
-
-
-def _outcome_status(queue: Any, st: dict[str, Any], batch_id: str, counts: dict[str, int],
-                    reduce: reduce_step.ReduceState | None) -> dict[str, Any]:
+def _outcome_status(queue: Any, st: dict[str, Any],
+                    batch: batch_status.BatchStatus) -> dict[str, Any]:
     """What the run produced, for `kubectl describe`: the reduce's state, the batch's result
     (at most 4 KiB; else where it is) and the most frequent errors of dead tasks (a dead
     reduce task among them). Each read only when it can have changed."""
     new: dict[str, Any] = {}
+    reduce, counts = batch.reduce, batch.counts
     if reduce is not None and reduce.configured:
         new["reduce"] = {k: v for k, v in {
             "state": reduce.phase(counts), "step": reduce.spec.describe() if reduce.spec else None,
@@ -396,15 +359,15 @@ def _outcome_status(queue: Any, st: dict[str, Any], batch_id: str, counts: dict[
             "error": (reduce.last_error or "")[:1000] if reduce.task_status == "dead" else None,
             "resultBytes": reduce.result_bytes}.items() if v is not None}
         if reduce.reduced and "result" not in st:
-            found, value = reduce_step.status_result(queue.conn, batch_id)
+            found, value = reduce_step.status_result(queue.conn, batch.batch_id)
             if found:
                 new["result"] = value
-    failed_reduce = reduce is not None and reduce.task_status == "dead"
     # (read again only when the dead tasks or the reduce's state changed)
     changed = ((st.get("counts") or {}).get("dead") != counts["dead"]
                or (st.get("reduce") or {}).get("state") != (new.get("reduce") or {}).get("state"))
-    if (counts["dead"] or failed_reduce) and (changed or not st.get("topErrors")):
-        new["topErrors"] = top_errors_status(queue.conn, batch_id)
+    if batch.has_errors and (changed or not st.get("topErrors")):
+        new["topErrors"] = [group.as_status()
+                            for group in batch_status.top_errors(queue, batch.batch_id)]
     return new
 
 
@@ -415,62 +378,56 @@ def _generator_status(gen: generators.GeneratorState, counts: dict[str, int]) ->
         "state": gen.phase(), "step": gen.spec.describe() if gen.spec else None,
         "enqueued": sum(counts[s] for s in ("pending", "leased", "done", "dead", "cancelled")),
         "attempts": gen.attempts,
-        "error": _safe((gen.last_error or "")[:1000]) if gen.last_error else None,
+        "error": safe((gen.last_error or "")[:1000]) if gen.last_error else None,
     }.items() if v is not None}
 
 
-def _generator_condition(body: kopf.Body, conditions: list[dict[str, Any]],
-                         milestones: dict[str, Any], gen: generators.GeneratorState,
-                         counts: dict[str, int], generation: int) -> list[dict[str, Any]]:
+def _generator_condition(rc: Reconcile, gen: generators.GeneratorState,
+                         counts: dict[str, int]) -> None:
     """Condition Generated: Unknown while it waits or runs (reason Pending, Running),
     True once it finished (Finished), False when it failed for good (Failed: its error) or
     was cancelled; an Event when it finishes or fails."""
     phase = gen.phase()
     total = sum(counts[s] for s in ("pending", "leased", "done", "dead", "cancelled"))
-    message = _safe(gen.describe())
+    message = safe(gen.describe())
     if phase == "Failed":
-        message = _safe(f"{message}; the {total} task(s) it enqueued are kept and run")
+        message = safe(f"{message}; the {total} task(s) it enqueued are kept and run")
     status = {"Finished": True, "Failed": False, "Cancelled": False}.get(phase)
-    conditions = set_condition(conditions, "Generated", status, phase, message[:2000],
-                               generation)
-    if phase == "Finished" and not milestones.get("generated"):
-        milestones["generated"] = True
-        _event(body, "Normal", "Generated", message=f"{message}; {total} task(s) enqueued")
-    if phase == "Failed" and not milestones.get("generatorFailed"):
-        milestones["generatorFailed"] = True
-        _event(body, "Warning", "GeneratorFailed", message=message)
-    return conditions
+    rc.condition("Generated", status, phase, message[:2000])
+    if phase == "Finished" and not rc.milestones.get("generated"):
+        rc.milestones["generated"] = True
+        rc.event("Normal", "Generated", f"{message}; {total} task(s) enqueued")
+    if phase == "Failed" and not rc.milestones.get("generatorFailed"):
+        rc.milestones["generatorFailed"] = True
+        rc.event("Warning", "GeneratorFailed", message)
 
 
-def _database_problem(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch,
-                      conditions: list[dict[str, Any]], milestones: dict[str, Any],
-                      new: dict[str, Any], problem: DatabaseProblem, generation: int) -> None:
-    message = _safe(str(problem))
-    kind = "Progressing" if milestones.get("enqueued") else "Enqueued"
-    previous = get_condition(conditions, kind)
-    conditions = set_condition(conditions, kind, False if kind == "Enqueued" else None,
-                               problem.reason, message, generation)
+def _database_problem(rc: Reconcile, problem: DatabaseProblem) -> None:
+    message = safe(str(problem))
+    kind = "Progressing" if rc.milestones.get("enqueued") else "Enqueued"
+    previous = rc.previous(kind)
+    rc.condition(kind, False if kind == "Enqueued" else None, problem.reason, message)
     # kstatus: still in progress (not healthy, not failed) while the database is away.
-    conditions = set_condition(conditions, "Reconciling", True, problem.reason, message,
-                               generation)
-    _apply(patch, st, {**new, "phase": st.get("phase") or "Pending", "message": message,
-                       "conditions": conditions, "observedGeneration": generation,
-                       "milestones": milestones})
+    rc.condition("Reconciling", True, problem.reason, message)
+    rc.apply({**rc.new, "phase": rc.current.get("phase") or "Pending", "message": message,
+              "conditions": rc.conditions, "observedGeneration": rc.generation,
+              "milestones": rc.milestones})
     metrics.RECONCILE_ERRORS.labels(problem.reason).inc()
     if not previous or previous.get("reason") != problem.reason:
-        _event(body, "Warning", problem.reason, message=message)
+        rc.event("Warning", problem.reason, message)
 
 
-def _ensure_job(body: kopf.Body, run: BatchRunSpec, st: dict[str, Any], batch_id: str,
-                secret: str, key: str) -> dict[str, Any]:
+def _ensure_job(rc: Reconcile, run: BatchRunSpec, batch_id: str, secret: str,
+                key: str) -> dict[str, Any]:
     """Exactly one Job per BatchRun, ever: a deterministic name, create-or-read."""
-    ns, name = body.metadata.namespace, job_name(body.metadata.name, body.metadata.uid)
+    body = rc.body
+    ns, name = rc.namespace, job_name(rc.name, body.metadata.uid)
     try:
         job = kube.read_job(ns, name)
     except ApiError as exc:
         if exc.status != 404:
             raise kopf.TemporaryError(f"reading Job {name}: HTTP {exc.status}", delay=5) from None
-        if st.get("jobName"):
+        if rc.current.get("jobName"):
             raise kopf.PermanentError(f"Job {name} was deleted while the run was active"
                                       ) from None
         manifest = build_job(run, name=name, namespace=ns, batch_id=batch_id,
@@ -478,59 +435,55 @@ def _ensure_job(body: kopf.Body, run: BatchRunSpec, st: dict[str, Any], batch_id
         kopf.adopt(manifest, owner=body)
         try:
             job = kube.create_job(ns, manifest)
-            _event(body, "Normal", "JobCreated",
-                      message=f"Job {name}: {run.workers} worker(s), activeDeadlineSeconds "
-                              f"{run.effective_deadline()}")
+            rc.event("Normal", "JobCreated",
+                     f"Job {name}: {run.workers} worker(s), activeDeadlineSeconds "
+                     f"{run.effective_deadline()}")
         except ApiError as create_exc:
             if create_exc.status == 422:
                 # The API server refused the pod (spec.template passes volumes, affinity,
                 # containers... through unchecked): say what it objected to. Retrying cannot
                 # help until the spec changes, and a spec change runs this handler again.
-                message = _safe(f"Job {name} rejected: {api_error_detail(create_exc)}")
-                _event(body, "Warning", "JobRejected", message=message)
+                message = safe(f"Job {name} rejected: {api_error_detail(create_exc)}")
+                rc.event("Warning", "JobRejected", message)
                 raise kopf.TemporaryError(message, delay=30) from None
             if create_exc.status != 409:
-                raise kopf.TemporaryError(_safe(f"creating Job {name}: HTTP {create_exc.status} "
-                                                f"{api_error_detail(create_exc)}"),
+                raise kopf.TemporaryError(safe(f"creating Job {name}: HTTP {create_exc.status} "
+                                               f"{api_error_detail(create_exc)}"),
                                           delay=5) from None
             job = kube.read_job(ns, name)
         return job
     changes: dict[str, Any] = {}
     if job["spec"].get("parallelism") != run.workers:
         changes["parallelism"] = run.workers
-    if bool(job["spec"].get("suspend")) != run.suspend and not _job_finished(job):
+    if bool(job["spec"].get("suspend")) != run.suspend and not job_finished(job):
         changes["suspend"] = run.suspend
     if changes:
         job = kube.patch_job(ns, name, {"spec": changes})
-        _event(body, "Normal", "JobUpdated", message=f"Job {name}: {changes}")
+        rc.event("Normal", "JobUpdated", f"Job {name}: {changes}")
     return job
 
 
-def _worker_health(body: kopf.Body, job: dict[str, Any], conditions: list[dict[str, Any]],
-                   generation: int) -> tuple[list[dict[str, Any]], pods.PodProblem | None]:
+def _worker_health(rc: Reconcile, job: dict[str, Any]) -> pods.PodProblem | None:
     """WorkersHealthy from the Job's pods; the problem that should fail the run, if any."""
-    found = pods.job_pods(body.metadata.namespace, job["metadata"]["name"])
+    found = pods.job_pods(rc.namespace, job["metadata"]["name"])
     if found is None:
-        return conditions, None
+        return None
     health = pods.classify(found)
-    previous = get_condition(conditions, "WorkersHealthy")
+    previous = rc.previous("WorkersHealthy")
     problem = health.problem
     if problem is None:
         if health.any_started:
-            conditions = set_condition(conditions, "WorkersHealthy", True, "WorkersStarted",
-                                       "worker containers started", generation)
-        return conditions, None
-    message = _safe(problem.describe())
-    conditions = set_condition(conditions, "WorkersHealthy", False, problem.reason, message,
-                               generation)
+            rc.condition("WorkersHealthy", True, "WorkersStarted", "worker containers started")
+        return None
+    message = safe(problem.describe())
+    rc.condition("WorkersHealthy", False, problem.reason, message)
     if not previous or previous.get("status") != "False" or previous.get("reason") != (
             problem.reason):
-        _event(body, "Warning", problem.reason, message=message)
-    waited = pods.stuck_for(get_condition(conditions, "WorkersHealthy"),
-                            dt.datetime.now(dt.UTC))
+        rc.event("Warning", problem.reason, message)
+    waited = pods.stuck_for(rc.previous("WorkersHealthy"), dt.datetime.now(dt.UTC))
     if not health.any_started and waited >= pods.START_TIMEOUT:
-        return conditions, problem
-    return conditions, None
+        return problem
+    return None
 
 
 def _stop_job(job: dict[str, Any]) -> None:
@@ -542,92 +495,17 @@ def _stop_job(job: dict[str, Any]) -> None:
         log.warning("could not suspend Job %s: HTTP %s", meta["name"], exc.status)
 
 
-def _job_finished(job: dict[str, Any]) -> tuple[str, str, str] | None:
-    for cond in (job.get("status") or {}).get("conditions") or []:
-        if cond.get("status") == "True" and cond.get("type") in ("Complete", "Failed"):
-            return cond["type"], cond.get("reason") or cond["type"], cond.get("message") or ""
-    return None
-
-
-def _phase(run: BatchRunSpec, job: Any, counts: dict[str, int], batch_id: str,
-           reduce: reduce_step.ReduceState | None = None,
-           gen: generators.GeneratorState | None = None) -> tuple[str, str, str]:
-    return _phase_of(run, _job_finished(job), counts, batch_id, reduce, gen)
-
-
-def _phase_of(run: BatchRunSpec, finished: tuple[str, str, str] | None,
-              counts: dict[str, int], batch_id: str,
-              reduce: reduce_step.ReduceState | None = None,
-              gen: generators.GeneratorState | None = None) -> tuple[str, str, str]:
-    """The phase from how the workers ended (a Job's condition, or for a run in a pool
-    the queue having nothing left for it) and the queue's counts."""
-    summary = (f"{counts['done']}/{counts['total']} done, {counts['dead']} dead, "
-               f"{counts['leased']} running, {counts['pending']} pending")
-    unfinished = counts["pending"] + counts["leased"]
-    reducing = reduce is not None and reduce.configured
-    if finished and finished[0] == "Failed":
-        return "Failed", finished[1], (f"Job failed ({finished[1]}: {finished[2]}); {summary}. "
-                                       "Unfinished tasks stay in the queue: retry with a new "
-                                       "BatchRun with source: {external: {}} and batchId "
-                                       f"{batch_id}")
-    if finished:
-        if gen is not None and gen.failed:
-            return "Failed", "GeneratorFailed", (f"{gen.describe()}; the {counts['total']} "
-                                                 f"task(s) it enqueued were kept: {summary}")
-        if unfinished or (reducing and reduce.running) or (gen is not None and gen.running):
-            what = ("work" if unfinished else "its generator"
-                    if gen is not None and gen.running else "its reduce")
-            return "Failed", "WorkersExitedEarly", (f"the Job completed with {what} left: "
-                                                    f"{summary}")
-        if reducing and reduce.phase(counts) == "failed":
-            return "Failed", "ReduceFailed", (f"reduce {reduce.describe(counts)}; see "
-                                              f"`jobrunner status --batch {batch_id}`; {summary}")
-        if counts["dead"] and not (reducing and reduce.reduced):
-            skipped = "; the reduce did not run (onDead: fail)" if reducing else ""
-            return "Failed", "DeadTasks", (f"{counts['dead']} task(s) dead: see `jobrunner dead "
-                                           f"list --batch {batch_id}`; {summary}{skipped}")
-        if counts["cancelled"]:
-            return "Cancelled", "Cancelled", f"the batch was cancelled; {summary}"
-        if reducing:
-            if not reduce.reduced:
-                return "Failed", "ReduceNotRun", f"reduce {reduce.describe(counts)}; {summary}"
-            how = "included" if reduce.spec and reduce.spec.on_dead == "include" else "skipped"
-            dead = f"; {counts['dead']} dead task(s) {how}" if counts["dead"] else ""
-            return "Succeeded", "Reduced", (f"{summary}{dead}; reduced: the result is in "
-                                            f"status.result")
-        return "Succeeded", "AllTasksDone", summary
-    if run.suspend:
-        return "Suspended", "Suspended", f"suspended: no new claims; {summary}"
-    if reducing and not unfinished and (reduce.enqueued or reduce.reduced):
-        # From the reduce's enqueue until the Job completes (its pods exit once it is
-        # done), so the phase never goes back to Running in between.
-        after = "" if reduce.running else "; waiting for the workers to exit"
-        return "Reducing", "Reducing", (f"every task is terminal; reduce "
-                                        f"{reduce.describe(counts)}{after}")
-    if gen is not None and gen.running:
-        return "Running", "Running", _safe(f"{summary}; {gen.describe()}")
-    return "Running", "Running", summary
-
-
-
-def _milestone_events(body: kopf.Body, milestones: dict[str, Any], counts: dict[str, int],
-                      phase: str, message: str) -> None:
+def _milestone_events(rc: Reconcile, counts: dict[str, int], phase: str, message: str) -> None:
+    milestones = rc.milestones
     if counts["done"] and not milestones.get("firstTaskDone"):
         milestones["firstTaskDone"] = True
-        _event(body, "Normal", "FirstTaskDone", message="the first task finished")
+        rc.event("Normal", "FirstTaskDone", "the first task finished")
     if phase == "Reducing" and not milestones.get("reducing"):
         milestones["reducing"] = True
-        _event(body, "Normal", "Reducing", message=message)
+        rc.event("Normal", "Reducing", message)
     if counts["dead"] > int(milestones.get("deadTasks") or 0):
-        _event(body, "Warning", "DeadTasks", message=f"{counts['dead']} task(s) are dead")
+        rc.event("Warning", "DeadTasks", f"{counts['dead']} task(s) are dead")
         milestones["deadTasks"] = counts["dead"]
     if phase in TERMINAL and not milestones.get("finished"):
         milestones["finished"] = True
-        _event(body, "Normal" if phase == "Succeeded" else "Warning", phase, message)
-
-
-def _apply(patch: kopf.Patch, current: dict[str, Any], new: dict[str, Any]) -> None:
-    """Patch only what changed: re-applying a manifest, or a quiet refresh, writes nothing."""
-    for field, value in new.items():
-        if current.get(field) != value:
-            patch.status[field] = value
+        rc.event("Normal" if phase == "Succeeded" else "Warning", phase, message)

@@ -34,7 +34,7 @@ from jobrunner.operator.schedule_times import (
     parse_time,
     run_name,
 )
-from jobrunner.operator.status import get_condition, set_condition
+from jobrunner.operator.status import event, get_condition, set_condition
 
 SCHEDULES = "batchrunschedules"
 KIND = "BatchRunSchedule"
@@ -90,10 +90,6 @@ async def run_changed(body: kopf.Body, **_: Any) -> None:
             _wake[ref["uid"]].set()
 
 
-def _event(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    kopf.event(obj, type=type_, reason=reason, message=message[:1024])
-
-
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -125,6 +121,11 @@ class Sync:
         self.new: dict[str, Any] = {}
         self.conditions: list[dict[str, Any]] = list(self.st.get("conditions") or [])
         self.now = _now()
+
+    def _event(self, type_: str, reason: str, message: str) -> None:
+        # Schedule messages carry names, times and API errors, no credentials: posted as
+        # they are.
+        event(self.obj, type_, reason, message, redact=False)
 
     # ------------------------------------------------------------------ the pass
     def run(self) -> float:
@@ -172,7 +173,7 @@ class Sync:
                                         self.generation)
         if not (previous and previous.get("status") == "True"
                 and previous.get("reason") == reason and previous.get("message") == message):
-            _event(self.obj, "Warning", reason, message)
+            self._event("Warning", reason, message)
 
     def _ready(self, ok: bool, reason: str, message: str) -> None:
         self.conditions = set_condition(self.conditions, "Ready", ok, reason, message,
@@ -224,21 +225,21 @@ class Sync:
         if d.missed:
             more = "more than " if d.capped else ""
             reason = "TooManyMissedTimes" if d.capped else "MissedSchedule"
-            _event(self.obj, "Warning", reason,
-                   f"{more}{d.missed} start time(s) before {at} were missed (controller down "
-                   "or schedule suspended) and will not run; only the latest is considered")
+            self._event("Warning", reason,
+                        f"{more}{d.missed} start time(s) before {at} were missed (controller down "
+                        "or schedule suspended) and will not run; only the latest is considered")
         if d.late:
             late = int((self.now - d.time).total_seconds())
-            _event(self.obj, "Warning", "MissedSchedule",
-                   f"start time {at} missed by {late}s, more than startingDeadlineSeconds "
-                   f"{self.spec.get('startingDeadlineSeconds')}: skipped")
+            self._event("Warning", "MissedSchedule",
+                        f"start time {at} missed by {late}s, more than startingDeadlineSeconds "
+                        f"{self.spec.get('startingDeadlineSeconds')}: skipped")
             self.new["lastSkippedTime"] = at
             return active
         policy = self.spec.get("concurrencyPolicy") or "Allow"
         if active and policy == "Forbid":
             names = ", ".join(r["metadata"]["name"] for r in active)
-            _event(self.obj, "Normal", "RunAlreadyActive",
-                   f"start time {at} skipped (concurrencyPolicy Forbid): {names} still active")
+            self._event("Normal", "RunAlreadyActive",
+                        f"start time {at} skipped (concurrencyPolicy Forbid): {names} still active")
             self.new["lastSkippedTime"] = at
             return active
         if active and policy == "Replace":
@@ -265,9 +266,9 @@ class Sync:
             if exc.status not in (404, 409):
                 raise
             return
-        _event(self.obj, "Normal", "ReplacedRun",
-               f"deleted active run {name} for start time {at} (concurrencyPolicy Replace): "
-               "its pending tasks are cancelled, its workers stop")
+        self._event("Normal", "ReplacedRun",
+                    f"deleted active run {name} for start time {at} (concurrencyPolicy Replace): "
+                    "its pending tasks are cancelled, its workers stop")
 
     # ------------------------------------------------------------------ trigger now
     def _trigger(self, active: list[dict[str, Any]]) -> None:
@@ -277,7 +278,7 @@ class Sync:
         self.new["lastTrigger"] = value
         problem = check_trigger_value(value)
         if problem:
-            _event(self.obj, "Warning", "InvalidTrigger", f"{TRIGGER}: {problem}; no run")
+            self._event("Warning", "InvalidTrigger", f"{TRIGGER}: {problem}; no run")
             return
         self._create(manual_run_name(self.name, value), {}, {TRIGGER: value},
                      f"{TRIGGER}={value}")
@@ -309,15 +310,15 @@ class Sync:
                 existing = kube.get_custom(GROUP, VERSION, self.ns, PLURAL, name)
                 if _owned_by(existing, self.uid):
                     return existing  # made by an earlier pass (a restart): not a second one
-                _event(self.obj, "Warning", "FailedCreate",
-                       f"BatchRun {name} ({why}) exists and does not belong to this schedule")
+                self._event("Warning", "FailedCreate",
+                            f"BatchRun {name} ({why}) exists and does not belong to this schedule")
                 return None
             if exc.status in (400, 403, 422):
-                _event(self.obj, "Warning", "FailedCreate",
-                       f"BatchRun {name} ({why}) refused: {api_error_detail(exc)}")
+                self._event("Warning", "FailedCreate",
+                            f"BatchRun {name} ({why}) refused: {api_error_detail(exc)}")
                 return None
             raise
-        _event(self.obj, "Normal", "SuccessfulCreate", f"created BatchRun {name} ({why})")
+        self._event("Normal", "SuccessfulCreate", f"created BatchRun {name} ({why})")
         return created
 
     def _runs(self) -> list[dict[str, Any]]:
@@ -348,8 +349,8 @@ class Sync:
                     if exc.status not in (404, 409):
                         raise
                 gone.add(name)
-                _event(self.obj, "Normal", "SuccessfulDelete",
-                       f"deleted {_phase(r)} BatchRun {name} (history limit {limit})")
+                self._event("Normal", "SuccessfulDelete",
+                            f"deleted {_phase(r)} BatchRun {name} (history limit {limit})")
         return [r for r in runs if r["metadata"]["name"] not in gone]
 
     def _patch_status(self) -> None:

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+from psycopg.rows import dict_row
 
 from jobrunner.features.manifest import parse_template
 from jobrunner.model.errors import BadInput
-from jobrunner.model.redact import redact_text
 from jobrunner.operator import kube, metrics, scaling
 from jobrunner.operator.config import CONFIG, GROUP, POOL_PLURAL, VERSION
 from jobrunner.operator.database import DatabaseProblem, queue_for, read_dsn
@@ -38,8 +38,8 @@ from jobrunner.operator.jobs import (
     worker_pod_template,
 )
 from jobrunner.operator.kube import ApiError, plain
-from jobrunner.operator.status import now_iso, set_condition
-from jobrunner.store import workerpools as pools
+from jobrunner.operator.status import apply_status, event, now_iso, safe, set_condition
+from jobrunner.store.sqlfiles import query
 
 log = logging.getLogger("jobrunner.controller")
 HASH_ANNOTATION = "jobrunner.dev/pod-template-hash"
@@ -186,17 +186,12 @@ def pod_template_hash(template: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _safe(text: str) -> str:
-    return redact_text(text)
-
-
-def _event(body: kopf.Body, type_: str, reason: str, message: str) -> None:
-    kopf.event(body, type=type_, reason=reason, message=_safe(message)[:1024])
-
-
 def pool_work(queue: Any, pool: str) -> tuple[int, int]:
     """(pending and due, leased) of the pool's batches, each counted up to the cap."""
-    return pools.work(queue.conn, pool, WORK_COUNT_CAP)
+    with queue.conn.transaction():
+        row = queue.conn.cursor(row_factory=dict_row).execute(
+            query("pool_work"), {"pool": pool, "cap": WORK_COUNT_CAP}).fetchone()
+    return int(row["pending"]), int(row["leased"])
 
 
 @kopf.on.create(GROUP, VERSION, POOL_PLURAL, backoff=5)
@@ -231,8 +226,8 @@ def converge(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
                                    generation)
         conditions = set_condition(conditions, "Stalled", True, "InvalidSpec", str(exc),
                                    generation)
-        _apply(patch, st, {"conditions": conditions, "observedGeneration": generation})
-        _event(body, "Warning", "InvalidSpec", str(exc))
+        apply_status(patch, st, {"conditions": conditions, "observedGeneration": generation})
+        event(body, "Warning", "InvalidSpec", str(exc))
         raise kopf.PermanentError(str(exc)) from None
 
     new: dict[str, Any] = {"pool": pool.queue_pool,
@@ -245,7 +240,7 @@ def converge(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
         with queue_for(read_dsn(pool.namespace, secret, key)) as queue:
             pending, leased = pool_work(queue, pool.queue_pool)
     except DatabaseProblem as problem:
-        message = _safe(str(problem))
+        message = safe(str(problem))
         conditions = set_condition(conditions, "Sized", None, problem.reason, message,
                                    generation)
         if deploy is None:
@@ -253,7 +248,7 @@ def converge(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
             new["lastScaleTime"] = now_iso()
         new.update(conditions=conditions, observedGeneration=generation,
                    desiredReplicas=current if deploy is not None else pool.min_replicas)
-        _apply(patch, st, new)
+        apply_status(patch, st, new)
         metrics.RECONCILE_ERRORS.labels(problem.reason).inc()
         raise kopf.TemporaryError(message, delay=min(30, CONFIG.pool_scale_seconds * 2)
                                   ) from None
@@ -271,7 +266,7 @@ def converge(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
         if changed:
             new["lastScaleTime"] = now_iso()
             if decision.desired != current:
-                _event(body, "Normal", "Scaled",
+                event(body, "Normal", "Scaled",
                        f"{deployment_name(pool.name)}: {current} -> {decision.desired} "
                        f"replica(s): {decision.message}")
     ready = (deploy.get("status") or {}).get("readyReplicas") or 0
@@ -292,7 +287,7 @@ def converge(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
                                f"{have} -> {decision.desired} replica(s)", generation)
     conditions = set_condition(conditions, "Stalled", False, "Running", "", generation)
     new["conditions"] = conditions
-    _apply(patch, st, new)
+    apply_status(patch, st, new)
     metrics.record_pool(pool.namespace, pool.name, pending, leased, decision.desired, ready)
 
 
@@ -335,11 +330,11 @@ def _create_deployment(body: kopf.Body, pool: WorkerPoolSpec, replicas: int
     except ApiError as exc:
         if exc.status == 409:
             return kube.read_deployment(pool.namespace, name)
-        message = _safe(f"Deployment {name} rejected: HTTP {exc.status} "
+        message = safe(f"Deployment {name} rejected: HTTP {exc.status} "
                         f"{api_error_detail(exc)}")
-        _event(body, "Warning", "DeploymentRejected", message)
+        event(body, "Warning", "DeploymentRejected", message)
         raise kopf.TemporaryError(message, delay=30) from None
-    _event(body, "Normal", "DeploymentCreated",
+    event(body, "Normal", "DeploymentCreated",
            f"Deployment {name}: {replicas} replica(s), pool {pool.queue_pool}, handler(s) "
            f"{', '.join(pool.handlers)}")
     return deploy
@@ -366,21 +361,15 @@ def _update_deployment(body: kopf.Body, pool: WorkerPoolSpec, deploy: dict[str, 
     try:
         kube.json_patch_deployment(pool.namespace, name, ops)
     except ApiError as exc:
-        message = _safe(f"updating Deployment {name}: HTTP {exc.status} "
+        message = safe(f"updating Deployment {name}: HTTP {exc.status} "
                         f"{api_error_detail(exc)}")
         if exc.status == 422:
-            _event(body, "Warning", "DeploymentRejected", message)
+            event(body, "Warning", "DeploymentRejected", message)
         raise kopf.TemporaryError(message, delay=10) from None
     if rolled:
-        _event(body, "Normal", "RollingUpdate",
+        event(body, "Normal", "RollingUpdate",
                f"Deployment {name}: the worker pod changed; rolling out")
     return _replicas(deploy) != replicas
-
-
-def _apply(patch: kopf.Patch, current: dict[str, Any], new: dict[str, Any]) -> None:
-    for key, value in new.items():
-        if current.get(key) != value:
-            patch.status[key] = value
 
 
 def find_pool(namespace: str, name: str) -> WorkerPoolSpec | None:
