@@ -89,6 +89,18 @@ SELECT pg_notify('jobrunner_queue', %(batch_id)s);
 -- the task out of 'leased': no row of its own to insert, confirm and delete (that was
 -- 14 %% of a task's WAL).
 --
+-- Shard pre-filter: the NOT EXISTS must stay a subplan run per candidate, whose two
+-- equalities make it one probe of the leased index (for a task without a shard key, a
+-- NULL key: no probe at all). Left to itself the planner turns it into an anti join,
+-- and the generic plan (see Plans) then depends on the column statistics of the moment
+-- the worker connected: with those an ANALYZE took while a batch ran, it read the whole
+-- leased index (every live lease of every worker, and the entries of every claim since
+-- the last vacuum), materialised it and compared each candidate with each lease: work
+-- per claim that grows with workers x claim batch, and the shared leased-index and heap
+-- pages made the workers queue for buffer locks (issue 33: claim batch 10 fell from
+-- 16,000 to 5,000 tasks/s at 8 workers; docs/performance.md). OFFSET 0 keeps the
+-- planner from pulling the sublink up into a join or hashing it.
+--
 -- Scan position: the pending index keeps an entry for every row claimed since the last
 -- vacuum (the entry of its old, pending version), and every scan from the start of the
 -- batch steps over all of them: at 20,000 claims since the last vacuum a claim cost a
@@ -150,7 +162,8 @@ candidates AS (
       AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
-            AND l.status = 'leased')
+            AND l.status = 'leased'
+          OFFSET 0)  -- one index probe per candidate, never a join: see "Shard pre-filter"
       AND q.limits IS NULL  -- (flow control: see above)
     ORDER BY q.run_after, q.id
     LIMIT %(limit)s
@@ -284,7 +297,8 @@ candidates AS (
       AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
-            AND l.status = 'leased')
+            AND l.status = 'leased'
+          OFFSET 0)  -- one index probe per candidate, never a join: see "Shard pre-filter"
       -- Limits that exist and are not visibly full (blocked, or their next request or
       -- token not due yet); the check that counts is jobrunner_limit_admit's, under the
       -- locks. (The clock, not now(): a claim that committed after this transaction started may have
@@ -1161,7 +1175,8 @@ candidates AS (
       AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
-            AND l.status = 'leased')
+            AND l.status = 'leased'
+          OFFSET 0)  -- one index probe per candidate, never a join: see "Shard pre-filter"
       AND q.limits IS NULL  -- (never in a pool: refused at enqueue)
     ORDER BY q.vtag, q.id
     LIMIT %(limit)s
