@@ -1,0 +1,54 @@
+"""The claim statements' generic plans do not read the whole leased index (issue 33).
+
+A worker plans its claim statement once, when it connects (generic plans, see
+sql/queries.sql "Plans"), from the statistics of that moment. The ones an ANALYZE takes
+while a batch runs, kept when the emptied table is analyzed again (ANALYZE of an empty
+table leaves the column statistics alone), made the shard pre-filter an anti join
+that read every live lease on every claim. Each claim statement is planned here under
+those statistics, the worker's session settings on, and every scan of the leased index
+must be a probe on (tenant_id, shard_key).
+"""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from jobrunner.prepared import PreparedStatement
+from jobrunner.queue import _SETTINGS
+from jobrunner.sqlfiles import query
+
+LEASED_INDEX = "agent_work_queue_leased_uidx"
+
+
+def _stale_statistics(conn: psycopg.Connection, shards: int) -> None:
+    """Statistics of a table in the middle of a batch, then the table emptied: what a
+    worker that connects to a fresh batch after an autovacuum ANALYZE plans with."""
+    conn.execute("INSERT INTO agent_batch (batch_id, tenant_id) VALUES ('b', 't')")
+    conn.execute(
+        "INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, shard_key, payload,"
+        " max_attempts) SELECT 'b', 't', 'k' || g,"
+        " CASE WHEN %s > 0 THEN 's' || (g %% %s) END, '{}', 3"
+        " FROM generate_series(1, 20000) g", (shards, max(shards, 1)))
+    conn.execute("UPDATE agent_work_queue SET status = 'done' WHERE id % 2 = 0")
+    conn.execute("UPDATE agent_work_queue SET status = 'leased', attempts = 1, lease_owner = 'w'"
+                 " WHERE id IN (SELECT min(id) FROM agent_work_queue WHERE status = 'pending'"
+                 " GROUP BY shard_key LIMIT 80)")
+    conn.execute("ANALYZE agent_work_queue")
+    conn.execute("TRUNCATE agent_work_queue, agent_batch")
+    conn.execute("VACUUM ANALYZE agent_work_queue")
+
+
+@pytest.mark.parametrize("shards", [1000, 0])
+@pytest.mark.parametrize("name", ["ack_and_claim", "ack_and_claim_limited",
+                                  "ack_and_claim_pool"])
+def test_claim_probes_the_leased_index(dsn: str, name: str, shards: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _stale_statistics(conn, shards)
+        conn.execute(_SETTINGS, {"local": False, "timeout": None})
+        sql = PreparedStatement("x", query(name)).sql.decode()
+        plan = [r[0] for r in conn.execute("EXPLAIN (GENERIC_PLAN) " + sql).fetchall()]
+    scans = [i for i, line in enumerate(plan) if LEASED_INDEX in line]
+    for i in scans:
+        below = plan[i + 1] if i + 1 < len(plan) else ""
+        assert "Index Cond" in below and "shard_key" in below, "\n".join(plan)
