@@ -120,7 +120,7 @@ def write_report(results: dict, out: Path) -> Path:
     if results.get("pgbouncer"):
         parts.append(_bouncer(results["pgbouncer"]))
     if checks:
-        parts.insert(2, "## Targets (issue 6, \"Must show\")\n\n"
+        parts.insert(2, "## Targets (issue 6, \"Must show\"; the scaling check: issue 33)\n\n"
                         + table(["target", "measured", "met"], checks) + "\n")
     path = out / "README.md"
     path.write_text("\n".join(parts))
