@@ -33,7 +33,7 @@ ALL = ["throughput", "waits", "history", "shards", "enqueue", "latency", "recove
 class Plan:
     tasks: int = 20_000
     reps: int = 5
-    workers: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    workers: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     cap: float = 8.0
     pgbench_seconds: float = 5.0
     history_sizes: list[int] = field(default_factory=lambda: [0, 1_000_000, 5_000_000])
@@ -235,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="results directory (default: bench/results; with --quick a "
                              "new temporary directory)")
+    parser.add_argument("--workers", default=None,
+                        help="throughput: comma-separated worker counts (default 1,2,4,8,16)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="throughput: repetitions (default 5)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report from an existing results.json")
     parser.add_argument("--merge", action="store_true",
@@ -252,7 +256,12 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
         previous = json.loads((out / "results.json").read_text()) if args.merge else None
-        results = run(QUICK if args.quick else Plan(), only, out)
+        plan = QUICK if args.quick else Plan()
+        if args.workers:
+            plan.workers = [int(n) for n in args.workers.split(",")]
+        if args.reps:
+            plan.reps = args.reps
+        results = run(plan, only, out)
         if previous is not None:
             results = _merged(previous, results, only)
             (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")

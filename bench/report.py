@@ -120,7 +120,7 @@ def write_report(results: dict, out: Path) -> Path:
     if results.get("pgbouncer"):
         parts.append(_bouncer(results["pgbouncer"]))
     if checks:
-        parts.insert(2, "## Targets (issue 6, \"Must show\")\n\n"
+        parts.insert(2, "## Targets (issue 6, \"Must show\"; the scaling check: issue 33)\n\n"
                         + table(["target", "measured", "met"], checks) + "\n")
     path = out / "README.md"
     path.write_text("\n".join(parts))
@@ -182,6 +182,8 @@ def _throughput(results: dict, out: Path, checks: list[list[object]]) -> str:
                 if series[a].get(n) and series[b].get(n) else "-" for n in workers])
     text.append(table(["ratio"] + [f"N={n}" for n in workers], ratio_rows) + "\n")
 
+    text.append(_scaling(series, pgbench, workers, results, checks))
+
     # CPU per task at N=4 (or the largest N): the basis of the capacity model.
     n = 4 if 4 in workers else workers[-1]
     cpu_rows = []
@@ -234,6 +236,64 @@ def _throughput(results: dict, out: Path, checks: list[list[object]]) -> str:
                            _yes(plain1 >= PGBENCH_SHARE * half)])
     _plot_throughput(series, pgbench, workers, out / "throughput.png")
     text.append("![throughput](throughput.png)\n")
+    return "\n".join(text)
+
+
+SCALING_FLOOR = 0.9  # throughput at N ÷ the best at fewer N: below this, a regression
+
+
+def scaling(by_n: dict[int, list[float]], workers: list[int]) -> dict[int, float]:
+    """Per N (from the second one measured on): the median at N divided by the best
+    median at any smaller N. More workers must never mean less throughput."""
+    out: dict[int, float] = {}
+    best = 0.0
+    for n in workers:
+        if not by_n.get(n):
+            continue
+        m = med(by_n[n])
+        if best:
+            out[n] = m / best
+        best = max(best, m)
+    return out
+
+
+def _scaling(series: dict, pgbench: dict, workers: list[int], results: dict,
+             checks: list[list[object]]) -> str:
+    """The scaling check (issue 33): for every system and claim batch, and pgbench,
+    throughput at N relative to its best at fewer N; below 0.9 is flagged."""
+    rows, flagged = [], []
+    keyed = sorted(series.items(), key=lambda kv: (kv[0][0] != "jobrunner", kv[0]))
+    for label, by_n in [(f"{system} b{batch}", by_n) for (system, batch), by_n in keyed] \
+            + ([("pgbench (TPS)", pgbench)] if pgbench else []):
+        ratios = scaling(by_n, workers)
+        row = [label]
+        for n in workers:
+            r = ratios.get(n)
+            if r is None:
+                row.append("-")
+                continue
+            bad = round(r, 2) < SCALING_FLOOR  # (as shown)
+            row.append(f"**{r:.2f} ✗**" if bad else f"{r:.2f}")
+            if bad:
+                flagged.append(f"{label} at N={n} ({r:.2f})")
+        if len(ratios):  # (a row measured at one N only has nothing to compare)
+            rows.append(row)
+    machine = results.get("meta", {}).get("machine", {})
+    cpu = f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores"
+    text = ["### Scaling check\n",
+            "Throughput (median) at N workers ÷ the best median of the same system and "
+            f"claim batch at fewer workers (pgbench: clients). Below {SCALING_FLOOR} is a "
+            "regression (✗), ours and the peers' alike: more workers must never mean less "
+            f"throughput. CPU: {cpu}, shared by the workers, PostgreSQL and pgbench: past "
+            "2 processes every system competes with the server for the cores, so a flat "
+            "line is the ceiling here, not a failure.\n",
+            table(["system"] + [f"N={n}" for n in workers], rows) + "\n"]
+    if flagged:
+        text.append("Flagged: " + "; ".join(flagged) + ".\n")
+    ours = [f for f in flagged if f.startswith("jobrunner")]
+    checks.append([f"scaling: every jobrunner row ≥ {SCALING_FLOOR} of its best at fewer N",
+                   "; ".join(ours) if ours else "no drop below " + str(SCALING_FLOOR),
+                   _yes(not ours)])
     return "\n".join(text)
 
 
