@@ -192,20 +192,17 @@ def status(batch: BatchOpt,
     """Counts per status, oldest pending age, stuck leases, the most frequent errors, and
     the reduce step with the batch's result."""
     from jobrunner.features import generators
+    from jobrunner.features import status as batch_status
     from jobrunner.features.reduce import STATUS_RESULT_BYTES, batch_result
-    from jobrunner.features.reduce import state as reduce_state
-    from jobrunner.features.results import top_errors
     from jobrunner.local.runner import existing_database
 
     with existing_database(dsn) as url:
         q = _queue(url)
         q.batch(batch)
-        counts = q.counts(batch)
-        health = q.health(batch)
-        reduce = reduce_state(q.conn, batch)
-        gen = generators.state(q.conn, batch)
-        failed = counts["dead"] or (reduce is not None and reduce.task_status == "dead")
-        top = top_errors(q.conn, batch) if failed else []  # (a dead reduce among them)
+        found = batch_status.read(q, batch)
+        counts, health = found.counts, found.health or {}
+        reduce, gen = found.reduce, found.generator
+        top = batch_status.top_errors(q, batch) if found.has_errors else []
         used = q.usage(batch, by_status=False)  # tokens and cost (jobrunner/store/flowcontrol.py)
         result = batch_result(q.conn, batch, STATUS_RESULT_BYTES) if reduce and (
             reduce.reduced) else None

@@ -30,6 +30,7 @@ from rich.table import Table
 
 from jobrunner.features import generators
 from jobrunner.features import reduce as reduce_step
+from jobrunner.features import status as batch_status
 from jobrunner.features.manifest import BatchRunSpec, load_manifest
 from jobrunner.features.reduce import check_loadable
 from jobrunner.local.embedded import EmbeddedPostgres
@@ -234,9 +235,8 @@ def _watch(queue: Queue, batch_id: str, procs: list[_Proc], spec: BatchRunSpec,
 
 def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs: list[_Proc],
              interrupted: bool, done_before: int, dsn_given: bool) -> int:
-    counts = queue.counts(batch_id)
-    reduce = reduce_step.state(queue.conn, batch_id)
-    gen = generators.state(queue.conn, batch_id)
+    found = batch_status.read(queue, batch_id, health=False)
+    counts, reduce, gen = found.counts, found.reduce, found.generator
     stats = tasks.stats(queue.conn, batch_id, RESERVED_KEYS)
     queue.conn.rollback()
     total = sum(counts.values())
@@ -286,8 +286,7 @@ def _summary(queue: Queue, batch_id: str, elapsed: float, n_workers: int, procs:
                       f"--output results.jsonl{dsn_flag}[/]", highlight=False)
     if interrupted:
         return 130
-    if counts["pending"] or counts["leased"] or (reduce is not None and reduce.running) or (
-            gen is not None and gen.running):
+    if found.still_running:
         return 1
     return 3 if counts["dead"] or failed or generator_failed else 0
 
