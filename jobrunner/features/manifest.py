@@ -114,7 +114,8 @@ class BatchRunSpec:
     tokens: int | None = None
     budget_tokens: int | None = None
     budget_cost: Decimal | None = None
-    # source.generator: the tasks come from user code run as a task (jobrunner/features/generators.py)
+    # source.generator: the tasks come from user code run as a task
+    # (jobrunner/features/generators.py)
     generator: GeneratorSpec | None = None
     # source.configMap (name, key): read by the controller when it enqueues
     config_map: tuple[str, str] | None = None

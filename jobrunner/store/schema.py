@@ -31,7 +31,8 @@ _HEADER = """\
 _MAJOR = re.compile(r"PostgreSQL (\d+)")
 # Lines of a dump that describe the dump, not the schema: its comments, the settings it
 # restores with, and psql's \restrict guard (whose key is random on every run).
-_NOISE = re.compile(r"^(--|SET |SELECT pg_catalog\.set_config\(|\\(un)?restrict\b)")
+_NOISE = re.compile(r"^(--|set |select pg_catalog\.set_config\(|\\(un)?restrict\b)",
+                    re.IGNORECASE)
 
 
 def normalise(dump: str) -> str:

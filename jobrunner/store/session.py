@@ -84,13 +84,6 @@ def run(conn: psycopg.Connection, statement: Statement, params: Params = None,
     return conn.cursor(row_factory=row_factory).execute(statement.sql, params)
 
 
-def run_many(conn: psycopg.Connection, statement: Statement,
-             params_seq: Sequence[Mapping[str, Any]]) -> None:
-    """One statement for each of params_seq, steps of the current transaction."""
-    with conn.cursor() as cur:
-        cur.executemany(statement.sql, params_seq)
-
-
 def listen(conn: psycopg.Connection, pools: bool) -> None:
     """Subscribe an autocommit connection to the batches' (or the pools') wake-ups."""
     conn.execute((LISTEN_POOLS if pools else LISTEN_BATCHES).sql)

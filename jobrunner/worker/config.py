@@ -46,7 +46,8 @@ class WorkerConfig:
     # to start, so that the acks of a claimed batch go out together with the next claim
     # (one round trip, one commit). Its lease is heartbeated meanwhile.
     max_ack_delay: float = 0.5
-    # Claim across every open batch of this pool instead of one batch (jobrunner/store/workerpools.py).
+    # Claim across every open batch of this pool instead of one batch
+    # (jobrunner/store/workerpools.py).
     pool: str | None = None
 
     def __post_init__(self) -> None:
