@@ -168,7 +168,30 @@ def test_every_module_is_in_a_layer() -> None:
     assert all(layer_of(m) is not None or m in PUBLIC for m in modules())
 
 
+def module_lines(root: Path = REPO) -> list[str]:
+    """docs/architecture.md's list: each module and its docstring's first paragraph."""
+    lines = []
+    for name, path in sorted(modules(root).items()):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if path.name in ("__main__.py",) and not doc:
+            continue
+        first = " ".join(doc.split("\n\n")[0].split())  # the docstring's first paragraph
+        lines.append(f"- `{name}`: {first}".rstrip(": "))
+    return lines
+
+
+def test_the_architecture_doc_lists_every_module() -> None:
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    missing = [line for line in module_lines() if line.split("`")[1] not in doc]
+    assert missing == [], "regenerate with `python -m tests.test_layers --modules`"
+
+
 if __name__ == "__main__":  # `python -m tests.test_layers`: the report the test asserts on
+    import sys
+
+    if "--modules" in sys.argv:
+        print("\n".join(module_lines()))
+        raise SystemExit(0)
     for v in violations():
         print(v)
     groups = circles()
