@@ -79,10 +79,10 @@ def test_connections_get_keepalives_unless_the_dsn_sets_them(dsn):
         assert effects.run(lambda c: c.info.get_parameters()["keepalives_idle"]) == "5"
     finally:
         effects.close()
-    from jobrunner.operator.database import _pool, forget
+    from jobrunner.operator.database import connection_pool, forget
 
     try:
-        with _pool(dsn).connection() as conn:
+        with connection_pool(dsn).connection() as conn:
             assert conn.info.get_parameters()["tcp_user_timeout"] == "10000"
     finally:
         forget(dsn)

@@ -30,7 +30,7 @@ class DatabaseProblem(Exception):
 
 _SECRET_TTL = 15.0
 _secrets: dict[tuple[str, str, str], tuple[float, str]] = {}
-_pools: dict[str, ConnectionPool] = {}
+_connection_pools: dict[str, ConnectionPool] = {}
 _migrated: set[str] = set()
 _lock = threading.Lock()
 
@@ -62,23 +62,24 @@ def read_dsn(namespace: str, secret_name: str, key: str) -> str:
     return dsn
 
 
-def _pool(dsn: str) -> ConnectionPool:
+def connection_pool(dsn: str) -> ConnectionPool:
+    """The controller's connection pool to one database (a few connections, opened lazily)."""
     with _lock:
-        pool = _pools.get(dsn)
-        if pool is None:
+        connections = _connection_pools.get(dsn)
+        if connections is None:
             params = db.connection_params(dsn, 5, application_name="jobrunner-controller")
-            pool = ConnectionPool(dsn, min_size=0, max_size=4, open=True, timeout=5,
-                                  kwargs={"row_factory": dict_row, **params},
-                                  check=ConnectionPool.check_connection)
-            _pools[dsn] = pool
-        return pool
+            connections = ConnectionPool(dsn, min_size=0, max_size=4, open=True, timeout=5,
+                                         kwargs={"row_factory": dict_row, **params},
+                                         check=ConnectionPool.check_connection)
+            _connection_pools[dsn] = connections
+        return connections
 
 
 @contextmanager
 def queue_for(dsn: str) -> Iterator[Queue]:
     """A Queue on a pooled connection; migrations are applied on first use."""
     try:
-        with _pool(dsn).connection() as conn:
+        with connection_pool(dsn).connection() as conn:
             try:
                 if dsn not in _migrated:
                     migrate(conn)
@@ -107,6 +108,6 @@ def _why(dsn: str) -> BaseException:
 
 def forget(dsn: str) -> None:
     with _lock:
-        pool = _pools.pop(dsn, None)
-    if pool is not None:
-        pool.close()
+        connections = _connection_pools.pop(dsn, None)
+    if connections is not None:
+        connections.close()
