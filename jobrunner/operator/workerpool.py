@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
-from psycopg.rows import dict_row
 
 from jobrunner.features.manifest import parse_template
 from jobrunner.model.errors import BadInput
@@ -39,7 +38,7 @@ from jobrunner.operator.jobs import (
 )
 from jobrunner.operator.kube import ApiError, plain
 from jobrunner.operator.status import apply_status, event, now_iso, safe, set_condition
-from jobrunner.store.sqlfiles import query
+from jobrunner.store import workerpools as pools
 
 log = logging.getLogger("jobrunner.controller")
 HASH_ANNOTATION = "jobrunner.dev/pod-template-hash"
@@ -188,10 +187,7 @@ def pod_template_hash(template: dict[str, Any]) -> str:
 
 def pool_work(queue: Any, pool: str) -> tuple[int, int]:
     """(pending and due, leased) of the pool's batches, each counted up to the cap."""
-    with queue.conn.transaction():
-        row = queue.conn.cursor(row_factory=dict_row).execute(
-            query("pool_work"), {"pool": pool, "cap": WORK_COUNT_CAP}).fetchone()
-    return int(row["pending"]), int(row["leased"])
+    return pools.work(queue.conn, pool, WORK_COUNT_CAP)
 
 
 @kopf.on.create(GROUP, VERSION, POOL_PLURAL, backoff=5)
