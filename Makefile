@@ -31,11 +31,14 @@ lint: $(VENV)/.installed
 e2e-bins: $(VENV)/.installed
 	$(PY) -m tests.e2e.harness.build
 
-# Debian packages: PgBouncer and shellcheck for tests; runc, the CNI loopback plugin and
-# debootstrap (the image's base) for the e2e node.
-SYSTEM_PACKAGES := pgbouncer shellcheck runc containernetworking-plugins debootstrap
+# Debian packages: PgBouncer, shellcheck and faketime (a worker whose clock is off by
+# hours: tests/test_time_from_database.py) for tests; runc, the CNI loopback plugin and
+# debootstrap (the image's base) for the e2e node. Under CI=true a test that would skip
+# for want of one of them fails instead (tests/conftest.py).
+SYSTEM_PACKAGES := pgbouncer shellcheck faketime runc containernetworking-plugins debootstrap
 system-deps:
-	@{ command -v pgbouncer && command -v shellcheck && command -v runc && \
+	@{ command -v pgbouncer && command -v shellcheck && command -v faketime && \
+	   command -v runc && \
 	   command -v debootstrap && test -x /usr/lib/cni/loopback; } >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \

@@ -12,7 +12,6 @@ pg_promote() of the standby. See docs/failover.md for what these tests back.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -50,8 +49,6 @@ FAILOVER_WORKER_ARGS = ("--exit-when-drained", "--visibility-timeout", "10", "--
 
 @pytest.fixture
 def replica_set(request) -> ReplicaSet:
-    if os.environ.get("JOBRUNNER_TEST_DSN"):
-        pytest.skip("failover tests need the embedded server (JOBRUNNER_TEST_DSN is set)")
     synchronous = getattr(request, "param", "sync") == "sync"
     rs = ReplicaSet(synchronous).start()
     try:
@@ -431,6 +428,15 @@ def _failover_soak(tmp_path: Path, capsys, *, synchronous: bool, tasks: int,
     killed_split = (f"; worker killed before it could resend={total['acks_lost_to_kills']}"
                     if synchronous else "")
     seconds = "/".join  # one figure per failover: there / back
+
+    def excused(a, b) -> bool:
+        # Asynchronous only: a claim the failover rolled back is gone from the new primary,
+        # whose next claim of that shard may start while the first execution still runs
+        # (until its heartbeat finds no lease). Such a pair straddles the kill.
+        return not synchronous and any(a.start <= f.killed_at <= b.start for f in failovers)
+
+    failovers = list(rs.failovers)
+    excused_overlaps = [p for p in r.execution_overlaps if excused(*p)]
     report(f"failover[{label}]: tasks={tasks + N_POISON} workers={N_WORKERS} kills={r.kills} "
            f"failovers={r.faults} standby_lag_s={lag:.1f} done={r.counts['done']} "
            f"dead={r.counts['dead']} "
@@ -446,11 +452,12 @@ def _failover_soak(tmp_path: Path, capsys, *, synchronous: bool, tasks: int,
            f"{total['effects_rolled_back']} effect_acks_refused={refused} "
            f"promotion_s={seconds(f'{f.promotion:.2f}' for f in figures)} "
            f"failover_to_first_ack_s={seconds(f'{f.first_ack:.2f}' for f in figures)} "
+           f"{r.exits_figure()} (excused_by_a_lost_claim={len(excused_overlaps)}) "
            f"elapsed={r.elapsed:.0f}s", tmp_path, capsys)
     assert r.faults == 2 and r.kills >= 3
     # Both modes: every task done or dead, none stuck, each effect exactly once in the
     # surviving history and with its ledger row, never two live leases of a shard.
-    r.assert_nothing_lost_or_duplicated()
+    r.assert_nothing_lost_or_duplicated(excused)
     if synchronous:
         # A commit returned only once the standby had it: an ack rolled back was one in
         # flight, which its worker sent again (unless the soak had just killed it). No
@@ -472,17 +479,11 @@ def soak_size(request) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_failover_soak(tmp_path, capsys, soak_size, mode):
-    if os.environ.get("JOBRUNNER_TEST_DSN"):
-        pytest.skip("failover tests need the embedded server (JOBRUNNER_TEST_DSN is set)")
     _failover_soak(tmp_path, capsys, synchronous=mode == "sync", tasks=soak_size)
 
 
 @pytest.mark.slow
 def test_failover_soak_through_pgbouncer(tmp_path, capsys, soak_size):
-    if os.environ.get("JOBRUNNER_TEST_DSN"):
-        pytest.skip("failover tests need the embedded server (JOBRUNNER_TEST_DSN is set)")
-    if not pgbouncer.available():
-        if os.environ.get("CI"):
-            pytest.fail("pgbouncer is not installed (make system-deps installs it)")
-        pytest.skip("pgbouncer is not installed (apt-get install pgbouncer)")
+    if not pgbouncer.available():  # (under CI=true a skip fails: tests/conftest.py)
+        pytest.skip("pgbouncer is not installed (make system-deps installs it)")
     _failover_soak(tmp_path, capsys, synchronous=True, tasks=soak_size, through_pgbouncer=True)

@@ -252,6 +252,33 @@ def test_a_priority_batch_starts_within_a_second_and_the_large_one_still_moves(
     assert large_during > 0 and share >= 0.8
 
 
+def test_priority_does_not_starve_the_large_batch(dsn, conn, tmp_path, capsys):
+    """The test above measures the urgent batch's latency; its count of the large batch's
+    tasks includes those taken while the urgent tasks were not visible yet, so it would
+    pass if priority starved the large batch. Here both batches are queued before any
+    worker starts: no enqueue window, nothing to catch up. With priority 1 (weight x10)
+    the large batch must get about 1 turn in 11 while the urgent batch runs: starvation
+    (0) fails, and so does priority ignored (1 in 2)."""
+    q = Queue(conn)
+    urgent = 1000
+    q.enqueue("large2", "A", _tasks(20_000), pool="ps")
+    q.enqueue("urgent2", "B", _tasks(urgent), pool="ps", priority=1)
+    conn.commit()
+    workers = _pool_workers(dsn, "ps", WORKERS, tmp_path)
+    wait_for(lambda: _done(conn, "urgent2") == urgent, 120, what="the urgent batch done")
+    _stop(workers, tmp_path)
+    last = _epoch(conn, "SELECT extract(epoch FROM max(finished_at)) AS t"
+                  " FROM agent_work_queue WHERE batch_id = 'urgent2'")
+    large = conn.execute("SELECT count(*) AS n FROM agent_work_queue WHERE batch_id = 'large2'"
+                         " AND status = 'done' AND finished_at <= to_timestamp(%s)",
+                         (last,)).fetchone()["n"]
+    share = large / (large + urgent)
+    figures.show(capsys, f"pools priority, no starvation: while the urgent batch (priority "
+                 f"1, {urgent} tasks) ran, the large one finished {large} tasks: "
+                 f"{100 * share:.1f} % of the pool (weight 1:10 -> 9.1 %; bounds 5..15 %)")
+    assert 0.05 <= share <= 0.15
+
+
 def test_kill_9_of_pool_workers_loses_nothing_and_duplicates_no_effect(dsn, conn, tmp_path,
                                                                        capsys):
     import random

@@ -118,6 +118,44 @@ def test_stale_worker_cannot_overwrite_newer_attempt(conn):
     assert r["status"] == "done" and r["result"] == {"fresh": True}
 
 
+def test_same_worker_cannot_ack_heartbeat_fail_or_release_its_older_attempt(conn):
+    """Fencing is on the attempt too, not only the owner: a worker whose lease expired
+    and which then claimed the same task again (attempt 2, same worker id: one process
+    with a slow first attempt) cannot finish attempt 1 over attempt 2."""
+    queue = Queue(conn, Timing(visibility_timeout=600))
+    queue.enqueue("b", "acme", tasks(1, shard="repo-1"))
+    (old,) = queue.claim("b", W1)
+    conn.execute("UPDATE agent_work_queue SET locked_until = now() - interval '1 s'")
+    conn.commit()
+    assert [r["status"] for r in queue.expire()] == ["pending"]
+    (new,) = queue.claim("b", W1)
+    assert (new.id, new.attempt) == (old.id, 2)
+    assert queue.heartbeat(W1, [old]) == set()
+    assert not queue.ack(W1, old, {"stale": True})
+    assert queue.fail(W1, old, "stale failure") is None
+    assert queue.release(W1, [old]) == set()
+    r = row(conn, new.id)
+    assert (r["status"], r["attempts"], r["result"]) == ("leased", 2, None)
+    assert queue.heartbeat(W1, [new]) == {new.id}
+    assert queue.ack(W1, new, {"fresh": True})
+    assert row(conn, new.id)["result"] == {"fresh": True}
+
+
+def test_a_claim_skips_rows_another_transaction_holds_locked(queue: Queue, conn, dsn):
+    """FOR UPDATE SKIP LOCKED: a row another claim has locked (its transaction still
+    open) is skipped at once, never waited on. With a 2 s lock_timeout on the claiming
+    session, a claim that waited would fail with LockNotAvailable."""
+    queue.enqueue("b", "acme", tasks(3))
+    conn.execute("SET lock_timeout = '2s'")
+    conn.commit()
+    with psycopg.connect(dsn) as other:
+        other.execute("SELECT id FROM agent_work_queue WHERE task_key = 't0' FOR UPDATE")
+        leases = queue.claim("b", W1, limit=3)
+        assert sorted(lease.key for lease in leases) == ["t1", "t2"]
+        other.rollback()
+    assert [lease.key for lease in queue.claim("b", W2, limit=3)] == ["t0"]
+
+
 def test_fail_backs_off_exponentially_with_jitter_from_db_time(conn):
     queue = Queue(conn, Timing(backoff_base=1.0, backoff_cap=3600))
     queue.enqueue("b", "acme", tasks(1), max_attempts=8)
@@ -134,6 +172,27 @@ def test_fail_backs_off_exponentially_with_jitter_from_db_time(conn):
         assert queue.claim("b", W1) == []  # not before its run_after
     for attempt, delay in zip((1, 2, 3), delays, strict=True):
         assert 2**attempt <= delay <= 2**attempt * 1.25 + 0.01
+
+
+def test_backoff_jitter_spreads_retries_over_up_to_25_percent(conn):
+    """40 tasks failing their first attempt at the same instant: every delay is within
+    [base * 2, base * 2 * 1.25] (the lower bound: no retry comes early), and they are
+    spread over that range rather than all equal (a backoff without jitter would send
+    them back together). 40 uniform draws over 0.5 s leave a range under 0.1 s with a
+    probability below 1e-25."""
+    queue = Queue(conn, Timing(backoff_base=1.0, backoff_cap=3600))
+    queue.enqueue("b", "acme", tasks(40), max_attempts=3)
+    leases = queue.claim("b", W1, limit=40)
+    assert len(leases) == 40
+    for lease in leases:
+        assert queue.fail(W1, lease, "boom") == "pending"
+    delays = [r["d"] for r in conn.execute(
+        "SELECT extract(epoch FROM run_after - updated_at)::float8 AS d"
+        " FROM agent_work_queue WHERE batch_id = 'b'").fetchall()]
+    conn.rollback()
+    assert all(2.0 <= d <= 2.5 + 1e-6 for d in delays), delays
+    assert max(delays) - min(delays) > 0.1, delays
+    assert len({round(d, 4) for d in delays}) >= 30, delays
 
 
 def test_backoff_is_capped(conn):

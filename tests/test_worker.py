@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -288,7 +287,12 @@ def test_command_handler_gets_task_environment(dsn, conn, tmp_path):
     assert env["JOBRUNNER_TASK_KEY"] == "k1" and env["JOBRUNNER_SHARD_KEY"] == "s1"
     assert env["JOBRUNNER_BATCH_ID"] == "b" and env["JOBRUNNER_ATTEMPT"] == "1"
     assert "JOBRUNNER_DATABASE_URL" not in env  # the command gets its task, not the queue
-    assert json.loads(json.dumps(env))
+    # every variable README promises, as strings (the result is the command's JSON stdout)
+    promised = {f"JOBRUNNER_{n}" for n in ("TASK_ID", "TASK_KEY", "BATCH_ID", "TENANT_ID",
+                                           "SHARD_KEY", "ATTEMPT", "WORKER_ID",
+                                           "IDEMPOTENCY_KEY")}
+    assert promised <= set(env) and all(isinstance(v, str) for v in env.values()), env
+    assert env["JOBRUNNER_TENANT_ID"] == "acme"
 
 
 def test_notify_wakes_an_idle_worker_long_before_its_poll(dsn, conn, tmp_path):

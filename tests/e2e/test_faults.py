@@ -39,18 +39,25 @@ def test_controller_killed_mid_enqueue(k8s, namespace, dsn, operator):
     apply(k8s, namespace, batchrun("big", {
         "tenant": "t", "handler": "tests.support.handlers:noop", "suspend": True,
         "shardRange": {"count": count}}))
-    # Kill it while the enqueue transaction is in flight (it has not reported back yet).
+    # Kill it while the enqueue transaction is open: a session (not this one) inside a
+    # transaction whose last statement is the enqueue's COPY into its staging table or its
+    # INSERT of the tasks ('idle in transaction': between the two). Parenthesised: AND
+    # binds tighter than OR, and an idle session whose last query was an INSERT is not an
+    # enqueue in flight.
+    in_enqueue = ("SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+                  " AND state IN ('active', 'idle in transaction')"
+                  " AND (query LIKE 'COPY jobrunner_enqueue_stage%%'"
+                  "      OR query LIKE '%%INSERT INTO agent_work_queue%%')")
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        active = db_one(dsn, "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
-                        " AND query LIKE 'COPY jobrunner_enqueue_stage%%'"
-                        " OR query LIKE '%%INSERT INTO agent_work_queue%%'"
-                        " AND pid <> pg_backend_pid()")[0]
-        if active:
-            break
-        time.sleep(0.05)
-    status_at_kill = (get(k8s, "batchrun", "big", namespace).get("status") or {})
+    while not db_one(dsn, in_enqueue)[0]:
+        if time.monotonic() > deadline:
+            raise AssertionError("no enqueue transaction seen in 60 s: the kill would not "
+                                 "hit the window this test is about")
+        time.sleep(0.02)
     operator.kill()
+    # Read after the kill (a dead controller writes nothing more): had the enqueue
+    # finished before the kill, the milestone would be there.
+    status_at_kill = (get(k8s, "batchrun", "big", namespace).get("status") or {})
     assert not (status_at_kill.get("milestones") or {}).get("enqueued"), \
         "the enqueue finished before the kill; the test did not hit the window"
     operator.start()

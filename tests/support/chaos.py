@@ -1,5 +1,12 @@
 """The chaos soak's handler: one effect through the ledger, plus a raw execution log
-written outside it (so re-executions are visible even when the effect is skipped)."""
+written outside it (so re-executions are visible even when the effect is skipped).
+
+It also writes every execution's start and end to a file of its own process
+(JOBRUNNER_SOAK_WITNESS: a directory), with the host's clock and no database in the way:
+the soak computes overlaps of one shard's executions from these files and from the times
+it killed workers, a witness independent of the queue's tables (which a broken claim would
+also corrupt). The lines are written with one write(2) each, O_APPEND: a SIGKILL loses no
+line that was written, and the page cache keeps it past the process."""
 
 from __future__ import annotations
 
@@ -22,7 +29,31 @@ def _raw_log() -> psycopg.Connection:
     return _raw
 
 
+_witness_fd: int | None = None
+
+
+def _witness(line: str) -> None:
+    global _witness_fd
+    directory = os.environ.get("JOBRUNNER_SOAK_WITNESS")
+    if not directory:
+        return
+    if _witness_fd is None:
+        _witness_fd = os.open(os.path.join(directory, f"{os.getpid()}.log"),
+                              os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.write(_witness_fd, line.encode())
+
+
 def handle(task: Task) -> dict:
+    # (tenant and shard key contain no spaces: the soak names them)
+    run = f"{task.tenant_id} {task.shard_key or '-'} {task.key} {task.attempt} {task.worker_id}"
+    _witness(f"S {time.time():.6f} {run}\n")
+    try:
+        return _handle(task)
+    finally:
+        _witness(f"E {time.time():.6f} {run}\n")
+
+
+def _handle(task: Task) -> dict:
     if task.payload.get("noop"):
         return {}  # (another tenant's task in a pool soak: only its completion is checked)
     if task.payload.get("poison"):

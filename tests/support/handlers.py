@@ -143,3 +143,30 @@ def write_file(task: Task) -> dict:
     with open(path, "w") as f:
         f.write("{}")
     return {"wrote": path}
+
+
+def slow_first_attempt(task: Task) -> dict:
+    """Logs the execution; its first attempt sleeps payload.sleep seconds (cooperatively),
+    later attempts return at once (a rescued task's second run is quick)."""
+    seconds = float(task.payload.get("sleep", 0)) if task.attempt == 1 else 0.0
+    return _run_logged(task, lambda: (_sleep(task, seconds), {"key": task.key})[1])
+
+
+def skew_probe(task: Task) -> dict:
+    """For workers whose clock is off (tests/test_time_from_database.py): the first attempt
+    fails if payload.fail_first, else sleeps payload.sleep seconds (cooperatively);
+    later attempts return at once. Every execution is logged (database time)."""
+    if task.attempt == 1 and task.payload.get("fail_first"):
+        def fail() -> None:
+            raise RuntimeError("the first attempt fails")
+
+        return _run_logged(task, fail)
+    return slow_first_attempt(task)
+
+
+def effect_after_sleep(task: Task) -> dict:
+    """Sleeps payload.sleep seconds (cooperatively), then applies its effect through
+    task.once. No connection of its own: every connection it uses is the worker's, with
+    jobrunner's keepalive and tcp_user_timeout defaults (tests/test_partition.py)."""
+    _sleep(task, float(task.payload.get("sleep", 0)))
+    return task.once("write", _effect_of(task))

@@ -16,7 +16,7 @@ from jobrunner import RateLimited, Task
 LOG_DDL = """
 CREATE TABLE IF NOT EXISTS limit_log (
     task_key text, attempt int, worker text, claimed_at timestamptz, started_at timestamptz,
-    tokens bigint, reported_at timestamptz);
+    tokens bigint, reported_at timestamptz, rate_limited_at timestamptz);
 """
 
 _local = threading.local()
@@ -80,6 +80,11 @@ def http_call(task: Task) -> dict:
     _log(task)
     response = httpx.post(task.payload["url"], json={"key": task.key}, timeout=10)
     if response.status_code == 429:
+        # (when the handler got the 429, on the database clock: the pause is measured
+        # from here, tests/test_limits.py)
+        _db().execute("UPDATE limit_log SET rate_limited_at = clock_timestamp()"
+                      " WHERE task_key = %s AND attempt = %s AND rate_limited_at IS NULL",
+                      (task.key, task.attempt))
         raise RateLimited(retry_after=float(response.headers.get("Retry-After", "1")),
                           limit=task.payload.get("limit"))
     response.raise_for_status()

@@ -5,6 +5,16 @@ batch progresses, then what the surviving history says.
 
 Tasks are enqueued, and everything is read, through `direct`: a DSN that reaches the
 current primary (a replica set's multi-host DSN follows it).
+
+Every worker exit of every generation is counted and classified: killed by the soak (its
+SIGKILL), clean (exit 0, drained) or a crash (anything else: a claim that raised, a worker
+that gave up). A crash fails the soak, even though the soak replaces the worker as a Job
+would replace a failed pod: a replaced crash is still a bug the batch happened to survive.
+
+Mutual exclusion per shard is checked by a witness independent of the queue: each handler
+execution writes its start and end to a file of its own (tests/support/chaos.py), a killed
+worker's running execution ends when the soak saw it die, and no two executions of one
+shard may overlap in time.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -75,6 +86,75 @@ class Monitor:
 
 
 @dataclass
+class Exit:
+    """One worker process's end. `at` is time.time() once the soak saw it gone: no later
+    than the process's real end plus one poll (0.1 s), never earlier."""
+
+    slot: int
+    pid: int
+    code: int
+    at: float
+    kind: str  # "killed" (by the soak's SIGKILL), "clean" (0) or "crash" (anything else)
+    log_tail: str = ""
+
+
+@dataclass(frozen=True)
+class Execution:
+    """One handler execution, as its own process wrote it down (host clock)."""
+
+    tenant: str
+    shard: str
+    key: str
+    attempt: int
+    worker: str
+    start: float
+    end: float
+    ended: bool  # False: its end line is missing, `end` is when its process was seen gone
+
+
+def read_witness(directory: Path, exits: list[Exit]) -> list[Execution]:
+    gone = {e.pid: e.at for e in exits}
+    runs: list[Execution] = []
+    for path in directory.glob("*.log"):
+        pid = int(path.stem)
+        open_runs: dict[str, list[float]] = {}
+        for line in path.read_text().splitlines():
+            kind, at, run = line.split(" ", 2)
+            if kind == "S":
+                open_runs.setdefault(run, []).append(float(at))
+            else:
+                tenant, shard, key, attempt, worker = run.split(" ")
+                runs.append(Execution(tenant, shard, key, int(attempt), worker,
+                                      open_runs[run].pop(), float(at), True))
+        for run, starts in open_runs.items():
+            for start in starts:
+                tenant, shard, key, attempt, worker = run.split(" ")
+                # (a process that left an execution open must have exited: every
+                # worker is waited for before the witness is read)
+                runs.append(Execution(tenant, shard, key, int(attempt), worker, start,
+                                      gone[pid], False))
+    return runs
+
+
+def shard_overlaps(runs: list[Execution]) -> list[tuple[Execution, Execution]]:
+    """Pairs of executions of one shard (tenant, shard key) that overlapped in time."""
+    by_shard: dict[tuple[str, str], list[Execution]] = {}
+    for r in runs:
+        if r.shard != "-":
+            by_shard.setdefault((r.tenant, r.shard), []).append(r)
+    pairs = []
+    for shard_runs in by_shard.values():
+        shard_runs.sort(key=lambda r: r.start)
+        latest = shard_runs[0]
+        for r in shard_runs[1:]:
+            if r.start < latest.end:
+                pairs.append((latest, r))
+            if r.end > latest.end:
+                latest = r
+    return pairs
+
+
+@dataclass
 class SoakResult:
     tasks: int  # designed to succeed (N_POISON more are designed to die)
     kills: int
@@ -97,6 +177,24 @@ class SoakResult:
     killed: dict[int, float] = field(default_factory=dict)  # worker pid -> when (time.time())
     # With a pool: the other tenant's batch, (tasks, its status counts after the run).
     neighbour: tuple[int, dict[str, int]] | None = None
+    exits: list[Exit] = field(default_factory=list)
+    executions: list[Execution] = field(default_factory=list)
+    execution_overlaps: list[tuple[Execution, Execution]] = field(default_factory=list)
+
+    def exit_counts(self) -> dict[str, int]:
+        return {kind: sum(e.kind == kind for e in self.exits)
+                for kind in ("killed", "clean", "crash")}
+
+    @property
+    def crashes(self) -> list[Exit]:
+        return [e for e in self.exits if e.kind == "crash"]
+
+    def exits_figure(self) -> str:
+        c = self.exit_counts()
+        return (f"worker_exits={len(self.exits)} (killed_by_soak={c['killed']} "
+                f"clean={c['clean']} crashed={c['crash']}) "
+                f"executions_witnessed={len(self.executions)} "
+                f"shard_execution_overlaps={len(self.execution_overlaps)}")
 
     @property
     def reexecutions(self) -> int:
@@ -106,9 +204,20 @@ class SoakResult:
     def lost_tasks(self) -> int:
         return self.tasks + N_POISON - self.counts["done"] - self.counts["dead"]
 
-    def assert_nothing_lost_or_duplicated(self) -> None:
+    def assert_nothing_lost_or_duplicated(self, excused: Callable[[Execution, Execution], bool]
+                                          = lambda a, b: False) -> None:
         """What must hold after any of the faults: every task ended, none stuck, every
-        effect exactly once and with its ledger row, no two live leases of a shard."""
+        effect exactly once and with its ledger row, no two live leases of a shard, no
+        two executions of a shard at once (but the pairs `excused` says a fault explains),
+        and no worker crashed."""
+        assert self.crashes == [], "\n".join(
+            f"worker slot {e.slot} pid {e.pid} exited {e.code}:\n{e.log_tail}"
+            for e in self.crashes[:3])
+        assert self.exit_counts()["killed"] == self.kills
+        # Every execution the queue recorded (chaos_raw) was also seen by the witness.
+        assert len(self.executions) >= self.raw
+        overlaps = [p for p in self.execution_overlaps if not excused(*p)]
+        assert overlaps == [], overlaps[:5]
         assert self.counts["leased"] == 0 and self.counts["pending"] == 0 and self.stuck == 0
         assert self.counts["done"] == self.tasks
         assert sorted(self.dead_keys) == [f"poison-{i}" for i in range(N_POISON)]
@@ -142,7 +251,9 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
                 TaskSpec(f"n{i:05d}", {"noop": True}, shard_key=f"shard-{i % N_SHARDS}")
                 for i in range(tasks // 10)], pool=pool)
 
-    env = child_env(worker_dsn, **(extra_env or {}))
+    witness = tmp_path / f"{label}-witness"
+    witness.mkdir()
+    env = child_env(worker_dsn, JOBRUNNER_SOAK_WITNESS=str(witness), **(extra_env or {}))
 
     def spawn(i: int):
         size = "1" if i % 2 else "4"
@@ -156,6 +267,23 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
     workers = {i: spawn(i) for i in range(N_WORKERS)}
     kills = applied = 0
     killed: dict[int, float] = {}
+    exits: list[Exit] = []
+    reaped: set[int] = set()
+
+    def reap(i: int, by_soak: bool = False) -> None:
+        """Count the exit of slot i's process (once)."""
+        w = workers[i]
+        if w.pid in reaped:
+            return
+        reaped.add(w.pid)
+        code = w.returncode
+        kind = ("killed" if by_soak and code == -signal.SIGKILL
+                else "clean" if code == 0 else "crash")
+        tail = ""
+        if kind == "crash":
+            log = tmp_path / f"{label}-w{i}.log"
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+        exits.append(Exit(i, w.pid, code, time.time(), kind, tail))
     plan = sorted(faults, key=lambda f: f.at)
     started = time.monotonic()
 
@@ -176,25 +304,35 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
         if plan and finished >= plan[0].at and plan[0].ready():
             plan.pop(0).action()
             applied += 1
+        for i, w in list(workers.items()):
+            if w.poll() is not None:
+                reap(i)
+                if w.returncode != 0:
+                    workers[i] = spawn(i)  # as a Job would replace a failed pod
         if time.monotonic() >= next_kill:
             victim = rng.choice([i for i, w in workers.items() if w.poll() is None] or [0])
             if workers[victim].poll() is None:
-                killed[workers[victim].pid] = time.time()
                 os.killpg(workers[victim].pid, signal.SIGKILL)
                 workers[victim].wait()
+                killed[workers[victim].pid] = time.time()  # (after its end: an upper bound)
                 kills += 1
+                reap(victim, by_soak=True)
+            else:
+                reap(victim)
             workers[victim] = spawn(victim)
             next_kill = time.monotonic() + rng.uniform(0.5, 2.0)
-        for i, w in list(workers.items()):
-            if w.poll() is not None and w.returncode != 0:
-                workers[i] = spawn(i)  # as a Job would replace a failed pod
         time.sleep(0.1)
-    for w in workers.values():
-        if w.wait(120) != 0:
-            raise AssertionError(f"a worker exited with {w.returncode}")
+    for i, w in workers.items():
+        try:
+            w.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(w.pid, signal.SIGKILL)
+            w.wait()
+        reap(i)
     monitor.stop.set()
     watcher.join(5)
     elapsed = time.monotonic() - started
+    executions = read_witness(witness, exits)
 
     with psycopg.connect(direct, row_factory=dict_row) as conn:
         q = Queue(conn)
@@ -238,7 +376,9 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
                       ledger_without_effect=ledger_without_effect,
                       done_without_effect=done_without_effect, raw=raw,
                       overlaps=monitor.overlaps, samples=monitor.samples,
-                      acked_overlaps=acked_overlaps, killed=killed, neighbour=neighbour)
+                      acked_overlaps=acked_overlaps, killed=killed, neighbour=neighbour,
+                      exits=exits, executions=executions,
+                      execution_overlaps=shard_overlaps(executions))
 
 
 def _reader(conn: psycopg.Connection) -> Callable[[str], Any]:
