@@ -77,7 +77,8 @@ CLAIM_LOCK = "    LIMIT %(limit)s\n    FOR UPDATE OF q SKIP LOCKED\n"
 SHARD_PREFILTER = """      AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
-            AND l.status = 'leased')
+            AND l.status = 'leased'
+          OFFSET 0)  -- one index probe per candidate, never a join: see "Shard pre-filter"
 """
 SHARD_CHECK = """    RETURN NOT EXISTS (SELECT 1 FROM agent_work_queue l
                        WHERE l.tenant_id = p_tenant AND l.shard_key = p_shard
@@ -173,8 +174,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("once-outside-the-lease-check",
            "task.once re-checks the lease: a worker that lost it cannot apply the effect",
            (Edit("jobrunner/runtime/effects.py",
-                 'if conn.execute(query("effect_fence"), params).fetchone() is None:',
-                 'if conn.execute(query("effect_fence"), params) is None:'),),
+                 "if not effects.fence(conn, lease.id, lease.attempt, worker_id):",
+                 "if effects.fence(conn, lease.id, lease.attempt, worker_id) is None:"),),
            ("tests/test_worker.py", "-k", "stalled_worker_loses_lease")),
     Mutant("once-without-ledger",
            "task.once: an effect that committed is never applied again by a retry",
