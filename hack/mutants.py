@@ -22,7 +22,7 @@ snippet with the code.
     hack/mutants.py --report FILE      also write the table (markdown) to FILE
 
 The tests run in the copy with this interpreter (`python -m pytest` there imports the
-copy's jobrunner first, and tests/conftest.py points worker processes at it too). Exit
+copy's jobrunner first, and tests/support/processes.py points worker processes at it too). Exit
 status: 0 when every mutant run was killed (and the baseline passed), 1 otherwise.
 """
 

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +20,8 @@ from jobrunner.local.embedded import EmbeddedPostgres
 from jobrunner.queue.client import Queue
 from jobrunner.store.migrate import migrate
 from tests.support.handlers import EXEC_LOG_DDL
+from tests.support.processes import spawned
 
-REPO = Path(__file__).resolve().parent.parent
 TEMPLATE_DB = "jobrunner_test_template"
 
 
@@ -166,32 +163,12 @@ def own_server() -> Iterator[EmbeddedPostgres]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def child_env(dsn: str | None = None, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    if dsn:
-        env["JOBRUNNER_DATABASE_URL"] = dsn
-    env.update(extra)
-    return env
-
-
-def cli(*args: str, dsn: str | None = None, input: str | None = None, check: bool = False,
-        timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m jobrunner ARGS` as a real process."""
-    return subprocess.run([sys.executable, "-m", "jobrunner", *args], input=input, text=True,
-                          capture_output=True, env=env or child_env(dsn), cwd=REPO,
-                          timeout=timeout, check=check)
-
-
-_spawned: list[subprocess.Popen] = []
-
-
 @pytest.fixture(autouse=True)
 def _reap_workers() -> Iterator[None]:
     """A failed assertion must not leave worker processes behind for the next test."""
     yield
-    while _spawned:
-        proc = _spawned.pop()
+    while spawned:
+        proc = spawned.pop()
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, 9)
@@ -200,26 +177,3 @@ def _reap_workers() -> Iterator[None]:
             proc.wait(10)
 
 
-def start_worker(dsn: str, batch: str, handler: str, *extra: str, log: Path | None = None,
-                 env: dict[str, str] | None = None, pool: str | None = None
-                 ) -> subprocess.Popen:
-    """A worker process of the batch, or with `pool` a pool worker (batch not used)."""
-    target = ["--pool", pool] if pool is not None else ["--batch", batch]
-    args = [sys.executable, "-m", "jobrunner", "worker", *target, "--handler", handler,
-            "--log-level", "info", *extra]
-    stream = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(args, env=env or child_env(dsn), cwd=REPO, stdout=stream,
-                            stderr=stream, start_new_session=True)
-    _spawned.append(proc)
-    return proc
-
-
-def wait_for(predicate, timeout: float = 60, interval: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)

@@ -15,7 +15,7 @@ import psycopg
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from tests.conftest import REPO, child_env, cli, start_worker, wait_for
+from tests.support.processes import REPO, child_env, cli, start_worker, wait_for
 
 GOOD = '{"key": "good", "payload": {}}\n'
 

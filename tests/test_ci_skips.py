@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import REPO, child_env
+from tests.support.processes import REPO, child_env
 
 SKIPPING = '''
 import pytest

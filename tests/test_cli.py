@@ -8,7 +8,7 @@ import pytest
 
 from jobrunner.queue.client import Queue
 from jobrunner.store.sqlfiles import migrations
-from tests.conftest import cli
+from tests.support.processes import cli
 
 LINES = "\n".join(json.dumps(t) for t in [
     {"key": "a", "payload": {"n": 1}},

@@ -13,7 +13,7 @@ from psycopg.rows import dict_row
 from jobrunner.model.types import Outcome
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from tests.conftest import start_worker, wait_for
+from tests.support.processes import start_worker, wait_for
 
 SHARDS = ["repo-a", "repo-b", "repo-c", "repo-d"]
 

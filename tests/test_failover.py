@@ -30,9 +30,9 @@ from jobrunner.runtime.task import Task
 from jobrunner.store import db
 from jobrunner.store.migrate import migrate
 from jobrunner.worker.connection import QueueConnection
-from tests.conftest import cli, start_worker, wait_for
 from tests.support import pgbouncer
 from tests.support.handlers import EXEC_LOG_DDL
+from tests.support.processes import cli, start_worker, wait_for
 from tests.support.replicaset import Failover, ReplicaSet
 from tests.support.soak import BATCH, N_POISON, N_WORKERS, Fault, report, run_soak
 

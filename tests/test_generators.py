@@ -22,8 +22,8 @@ from jobrunner.features.sources import config_map_tasks, parse_lines
 from jobrunner.model.errors import BadInput
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from tests.conftest import REPO, child_env, cli, start_worker, wait_for
 from tests.support.generator_handlers import PID_FILE_ENV
+from tests.support.processes import REPO, child_env, cli, start_worker, wait_for
 
 FAST = ["--visibility-timeout", "3", "--heartbeat", "1", "--backoff-base", "0.05",
         "--backoff-cap", "0.2"]

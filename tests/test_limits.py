@@ -21,9 +21,9 @@ from jobrunner.model.usage import Usage, read_usage_file
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
 from jobrunner.store import flowcontrol as limits
-from tests.conftest import cli, start_worker, wait_for
 from tests.support.figures import show
 from tests.support.limits_handlers import LOG_DDL
+from tests.support.processes import cli, start_worker, wait_for
 
 H = "tests.support.limits_handlers"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psycopg
 
-from tests.conftest import REPO, child_env, cli, wait_for
+from tests.support.processes import REPO, child_env, cli, wait_for
 
 EXAMPLE = REPO / "examples" / "summarise.yaml"
 

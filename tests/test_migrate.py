@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from jobrunner.store.migrate import _CREATE_VERSIONS, migrate, pending_migrations
+from jobrunner.store.migrate import CREATE_VERSIONS, migrate, pending_migrations
 from jobrunner.store.sqlfiles import QUERY_FILES, migrations, queries
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,7 +123,7 @@ def test_upgrade_counts_the_tasks_of_existing_batches(empty_dsn):
     from jobrunner.queue.client import Queue
 
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
-        conn.execute(_CREATE_VERSIONS)
+        conn.execute(CREATE_VERSIONS)
         for m in migrations():
             if m.version < 9:
                 conn.execute(m.sql.encode())

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, child_env
 from tests.support.figures import show
+from tests.support.processes import REPO, child_env
 
 
 def _mutants():

@@ -26,9 +26,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from tests.conftest import REPO, _spawned, child_env, wait_for
 from tests.support import netns
 from tests.support.figures import show
+from tests.support.processes import REPO, child_env, spawned, wait_for
 
 HEARTBEAT = 1.0
 NOTICE_BOUND = 11 + HEARTBEAT + 1
@@ -74,7 +74,7 @@ def test_a_silent_partition_is_noticed_within_the_keepalive_bounds_and_heals(
             proc = subprocess.Popen(args, env=child_env(worker_dsn), cwd=REPO,
                                     stdout=open(logs[i], "ab"),  # noqa: SIM115
                                     stderr=subprocess.STDOUT, start_new_session=True)
-            _spawned.append(proc)
+            spawned.append(proc)
             workers.append(proc)
         wait_for(lambda: _done(conn) >= 8, 60, what="the workers under way (through the relay)")
         part.drop()

@@ -13,7 +13,7 @@ import pytest
 from jobrunner.model.errors import BadInput
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from tests.conftest import cli
+from tests.support.processes import cli
 
 RECORD = "tests.support.handlers:record"
 EFFECT = "tests.support.handlers:with_effect"

@@ -19,8 +19,8 @@ from jobrunner.model.types import Outcome
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
 from jobrunner.store import workerpools as pools
-from tests.conftest import REPO, _spawned, child_env, cli, wait_for
 from tests.support import figures
+from tests.support.processes import REPO, child_env, cli, spawned, wait_for
 
 NOOP = "tests.support.handlers:noop"
 
@@ -36,7 +36,7 @@ def start_pool_worker(dsn: str, pool: str, handler: str, *extra: str, log: Path 
     stream = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(args, env=child_env(dsn), cwd=REPO, stdout=stream, stderr=stream,
                             start_new_session=True)
-    _spawned.append(proc)
+    spawned.append(proc)
     return proc
 
 

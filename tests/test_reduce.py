@@ -19,7 +19,7 @@ from jobrunner.features.reduce import REDUCE_KEY, ReduceSpec
 from jobrunner.model.errors import BadInput
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from tests.conftest import child_env, cli, start_worker, wait_for
+from tests.support.processes import child_env, cli, start_worker, wait_for
 from tests.support.reduce_handlers import SLEEP_ENV
 
 FAST = ["--visibility-timeout", "3", "--heartbeat", "1", "--backoff-base", "0.05",

@@ -23,8 +23,8 @@ from psycopg.rows import dict_row
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from tests.conftest import start_worker, wait_for
 from tests.support.figures import show
+from tests.support.processes import start_worker, wait_for
 
 LEASE = ["--visibility-timeout", "2", "--heartbeat", "0.5", "--backoff-base", "0.05",
          "--backoff-cap", "0.2"]

@@ -21,8 +21,8 @@ from jobrunner.features.openai_batch import OpenAIServerError, error_of, error_t
 from jobrunner.features.results import rows, top_errors, top_errors_status
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from tests.conftest import child_env, cli, start_worker
 from tests.support.openai_server import OpenAITestServer, expected_body
+from tests.support.processes import child_env, cli, start_worker
 
 FAST = ["--backoff-base", "0.01", "--backoff-cap", "0.05", "--visibility-timeout", "30"]
 API_KEY = "sk-test-Zx81-never-in-logs"

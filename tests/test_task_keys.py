@@ -14,7 +14,7 @@ from psycopg.rows import dict_row
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from jobrunner.store.migrate import _CREATE_VERSIONS, migrate
+from jobrunner.store.migrate import CREATE_VERSIONS, migrate
 from jobrunner.store.prepared import PreparedStatement
 from jobrunner.store.sqlfiles import migrations, queries
 
@@ -175,7 +175,7 @@ def test_settled_reads_keys_by_index(conn):
 
 def test_upgrade_fills_the_key_table_from_existing_tasks(empty_dsn):
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
-        conn.execute(_CREATE_VERSIONS)
+        conn.execute(CREATE_VERSIONS)
         for m in migrations():
             if m.version < 17:
                 conn.execute(m.sql.encode())

@@ -23,7 +23,7 @@ import pytest
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from tests.conftest import child_env, start_worker, wait_for
+from tests.support.processes import child_env, start_worker, wait_for
 
 LEASE = ["--visibility-timeout", "2", "--heartbeat", "0.5", "--backoff-base", "1",
          "--backoff-cap", "10"]

@@ -13,7 +13,7 @@ from psycopg.rows import dict_row
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from tests.conftest import child_env, start_worker, wait_for
+from tests.support.processes import child_env, start_worker, wait_for
 
 FAST = ["--visibility-timeout", "3", "--heartbeat", "1", "--backoff-base", "0.05",
         "--backoff-cap", "0.2"]

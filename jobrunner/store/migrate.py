@@ -16,7 +16,7 @@ TABLE_CREATE = Statement("migration_table_create")
 VERSIONS = Statement("migration_versions")
 RECORD = Statement("migration_record")
 TABLE_EXISTS = Statement("migration_table_exists")
-_CREATE_VERSIONS = TABLE_CREATE.sql
+CREATE_VERSIONS = TABLE_CREATE.sql
 
 
 def _versions(conn: psycopg.Connection) -> set[int]:

@@ -23,7 +23,7 @@ def _db() -> psycopg.Connection:
     return psycopg.connect(os.environ["JOBRUNNER_DATABASE_URL"], autocommit=True)
 
 
-def _run_logged(task: Task, body) -> object:
+def run_logged(task: Task, body) -> object:
     with _db() as conn:
         row = conn.execute(
             "INSERT INTO exec_log (task_id, task_key, shard_key, attempt, worker, started_at)"
@@ -55,7 +55,7 @@ def _sleep(task: Task, seconds: float) -> None:
 
 def record(task: Task) -> dict:
     """Logs the execution; sleeps payload.sleep seconds (cooperatively)."""
-    return _run_logged(task, lambda: (_sleep(task, float(task.payload.get("sleep", 0))),
+    return run_logged(task, lambda: (_sleep(task, float(task.payload.get("sleep", 0))),
                                       {"key": task.key})[1])
 
 
@@ -89,12 +89,12 @@ def with_effect(task: Task) -> dict:
         _sleep(task, float(task.payload.get("sleep", 0)))
         return applied
 
-    return _run_logged(task, body)
+    return run_logged(task, body)
 
 
 def ignores_lease(task: Task) -> dict:
     """Sleeps without ever checking its lease (a badly behaved sync handler)."""
-    return _run_logged(task, lambda: (time.sleep(float(task.payload.get("sleep", 0))),
+    return run_logged(task, lambda: (time.sleep(float(task.payload.get("sleep", 0))),
                                       {"key": task.key})[1])
 
 
@@ -105,7 +105,7 @@ def stalls_then_effect(task: Task) -> dict:
         time.sleep(float(task.payload.get("sleep", 0)))
         return task.once("write", effect)
 
-    return _run_logged(task, body)
+    return run_logged(task, body)
 
 
 def not_json(task: Task) -> object:
@@ -149,7 +149,7 @@ def slow_first_attempt(task: Task) -> dict:
     """Logs the execution; its first attempt sleeps payload.sleep seconds (cooperatively),
     later attempts return at once (a rescued task's second run is quick)."""
     seconds = float(task.payload.get("sleep", 0)) if task.attempt == 1 else 0.0
-    return _run_logged(task, lambda: (_sleep(task, seconds), {"key": task.key})[1])
+    return run_logged(task, lambda: (_sleep(task, seconds), {"key": task.key})[1])
 
 
 def skew_probe(task: Task) -> dict:
@@ -160,7 +160,7 @@ def skew_probe(task: Task) -> dict:
         def fail() -> None:
             raise RuntimeError("the first attempt fails")
 
-        return _run_logged(task, fail)
+        return run_logged(task, fail)
     return slow_first_attempt(task)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 from jobrunner import PermanentError, Task
-from tests.support.handlers import _run_logged
+from tests.support.handlers import run_logged
 
 # Seconds the step sleeps (checking its lease) after its effect: a test kills it there.
 SLEEP_ENV = "JOBRUNNER_TEST_REDUCE_SLEEP"
@@ -37,12 +37,12 @@ def collect(task: Task, results: Iterator[dict[str, Any]]) -> dict[str, Any]:
             time.sleep(0.02)
         return {"count": len(seen), "seen": seen}
 
-    return _run_logged(task, body)
+    return run_logged(task, body)
 
 
 def count(task: Task, results: Iterator[dict[str, Any]]) -> int:
     """How many results it got, counted as they stream by."""
-    return _run_logged(task, lambda: sum(1 for _ in results))
+    return run_logged(task, lambda: sum(1 for _ in results))
 
 
 def big(task: Task, results: Iterator[dict[str, Any]]) -> str:

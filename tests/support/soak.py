@@ -35,8 +35,8 @@ from psycopg.rows import dict_row
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from tests.conftest import child_env, start_worker
 from tests.support.figures import show
+from tests.support.processes import child_env, start_worker
 
 BATCH = "chaos"
 NEIGHBOUR = "chaos-neighbour"  # another tenant's batch in the pool (run_soak with a pool)
