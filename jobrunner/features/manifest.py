@@ -28,6 +28,7 @@ from jobrunner.model.validation import (
     check_limit_names,
     encode_payload,
 )
+from jobrunner.model.workerpools import refuse_flow_control
 
 API_VERSION = "jobrunner.dev/v1alpha1"
 KIND = "BatchRun"
@@ -310,9 +311,9 @@ def _pool(spec: Mapping[str, Any], where: str, *, generator: Any, command: Any, 
     if not isinstance(pool, str) or len(pool) > 253 or not _POOL_NAME.match(pool):
         raise BadInput(f"{where}: spec.pool must be the name of a WorkerPool (a DNS subdomain), "
                        f"got {pool!r}")
-    if any(v is not None for v in flow):
-        raise BadInput(f"{where}: spec.pool: pools do not take batches under flow control yet "
-                       "(spec.limits, spec.tokens, spec.budget); docs/pools.md")
+    refuse_flow_control(f"{where}: spec.pool",
+                        "spec.limits, spec.tokens, spec.budget"
+                        if any(v is not None for v in flow) else None)
     if generator is not None:
         raise BadInput(f"{where}: spec.pool: a generator source cannot run in a pool yet; "
                        "docs/pools.md")

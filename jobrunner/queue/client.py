@@ -140,7 +140,9 @@ class Queue:
             rows.append((key, shard, payload, attempts, list(own) if own else default_limits,
                          estimate))
         if pool is not None:
-            pool_rules.refuse_flow_control(batch_id, pool, named)
+            name, where = next(iter(named.items()), (None, None))
+            pool_rules.refuse_flow_control(f"batch {batch_id!r} goes to pool {pool!r}",
+                                           name and f"{where} names limit {name!r}")
         with self._tx():
             batch = (batches.ensure(self.conn, batch_id, tenant_id) if pool is None else
                      pools.ensure_batch(self.conn, batch_id, tenant_id, pool, priority))
