@@ -11,7 +11,7 @@ Guarantees:
   nothing more. Workers claim the first chunks while the generator goes on.
 - The batch is not complete while the generator is pending or leased: its row is
   pending or leased like any task, so a worker's drain check keeps the workers and the
-  reduce waits (jobrunner_batch_settled, migration 0012). A generator that ended dead
+  reduce waits (jobrunner_batch_settled, sql/schema.sql). A generator that ended dead
   keeps the batch from settling (no reduce over an incomplete batch), and the tasks it
   enqueued stay and run.
 - Deterministic keys are the user's part: a re-run that yields other keys for the same

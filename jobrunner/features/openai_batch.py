@@ -215,7 +215,7 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 
 def _report_usage(task: Task, body: Any) -> None:
-    """Tell flow control what the call used, when the task can take it (issue 16)."""
+    """Tell flow control what the call used, when the task can take it."""
     report = getattr(task, "report_usage", None)
     usage = body.get("usage") if isinstance(body, dict) else None
     if not callable(report) or not isinstance(usage, dict):

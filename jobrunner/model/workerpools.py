@@ -20,7 +20,7 @@ MIN_PRIORITY = -3
 MAX_PRIORITY = 3
 
 
-# (a stream's tag spacing stays within 10^-6..10^6: migration 0014)
+# (a stream's tag spacing stays within 10^-6..10^6: sql/schema.sql)
 MIN_WEIGHT = 0.001
 
 

@@ -104,7 +104,7 @@ class Queue:
 
         All rows are validated and encoded before the transaction starts; the insert
         itself is a COPY into a temporary table and one insert, whose rows with a key
-        that exists are skipped by the task table's key trigger (migration 0017), so 100k
+        that exists are skipped by the task table's key trigger (sql/schema.sql), so 100k
         tasks take seconds and a failure writes nothing.
         """
         check_identifier(batch_id, "batch id")

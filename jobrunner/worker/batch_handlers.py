@@ -1,6 +1,6 @@
 """A pool worker that serves several handlers (a WorkerPool's spec.handlers): each task
 runs with its batch's handler, recorded at the batch's first enqueue (`Queue.enqueue(...,
-handler=)`, `jobrunner enqueue --pool P --handler H`; migration 0015).
+handler=)`, `jobrunner enqueue --pool P --handler H`; sql/schema.sql).
 
 - The batch's handler is read once per batch and cached (it never changes), on one
   connection the worker keeps for it: a pool of 1,000 one-batch tenants costs 1,000 short

@@ -36,17 +36,17 @@ SELECT batch_id, tenant_id, created_at, cancelled_at FROM agent_batch WHERE batc
 -- A batch's task counts by status, from the unfinished rows and its task count.
 --
 -- Each unfinished status from the small index that holds only that status, done as the
--- rest of the batch's task count, all in one snapshot (see migration 0009): the cost
+-- rest of the batch's task count, all in one snapshot (sql/schema.sql): the cost
 -- grows with the unfinished rows, not with the batch. The reduce and generator tasks are
--- found by key (agent_task_key, migration 0017). (MATERIALIZED: otherwise each
--- count is run once more for the done column.) The reduce task (migration 0011) and the
+-- found by key (agent_task_key, sql/schema.sql). (MATERIALIZED: otherwise each
+-- count is run once more for the done column.) The reduce task (sql/schema.sql) and the
 -- generator task (0012) are not tasks of the batch: they are not in `tasks`, and are
 -- taken out of its status here.
 WITH c AS MATERIALIZED (SELECT
     coalesce((SELECT tasks FROM agent_batch WHERE batch_id = %(batch_id)s), 0) AS tasks,
     (SELECT count(*) FROM agent_work_queue
       WHERE batch_id = %(batch_id)s AND status = 'pending')   AS pending,
-    (SELECT count(*) FROM agent_work_queue  -- (the tenant: see migration 0018)
+    (SELECT count(*) FROM agent_work_queue  -- (the tenant leads the index)
       WHERE tenant_id = (SELECT b.tenant_id FROM agent_batch b WHERE b.batch_id = %(batch_id)s)
         AND batch_id = %(batch_id)s AND status = 'leased')    AS leased,
     (SELECT count(*) FROM agent_work_queue
@@ -76,7 +76,7 @@ FROM own;
 -- stuck: leased past the deadline and not rescued (should always be 0 while any
 -- worker runs: worth an alert). ready: pending and due now.
 SELECT
-    (SELECT count(*) FROM agent_work_queue  -- (the tenant: see migration 0018)
+    (SELECT count(*) FROM agent_work_queue  -- (the tenant leads the index)
       WHERE tenant_id = (SELECT b.tenant_id FROM agent_batch b WHERE b.batch_id = %(batch_id)s)
         AND batch_id = %(batch_id)s AND status = 'leased' AND locked_until < now()) AS stuck,
     (SELECT count(*) FROM agent_work_queue
@@ -99,6 +99,6 @@ SELECT coalesce((SELECT flow_control FROM agent_batch WHERE batch_id = %(batch_i
 -- True while the batch has work that is not finished: pending (due now or later) or leased.
 SELECT EXISTS (SELECT 1 FROM agent_work_queue
                WHERE batch_id = %(batch_id)s AND status = 'pending')
-    OR EXISTS (SELECT 1 FROM agent_work_queue  -- (the tenant: see migration 0018)
+    OR EXISTS (SELECT 1 FROM agent_work_queue  -- (the tenant leads the index)
                WHERE tenant_id = (SELECT b.tenant_id FROM agent_batch b WHERE b.batch_id = %(batch_id)s)
                  AND batch_id = %(batch_id)s AND status = 'leased') AS open;

@@ -25,7 +25,7 @@ WITH step AS (
 )
 INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, payload, max_attempts)
 SELECT batch_id, tenant_id, '__generate__', '{}'::jsonb, %(max_attempts)s
-FROM step  -- (a '__generate__' key that exists: no row, migration 0017)
+FROM step  -- (a '__generate__' key that exists: no row, sql/schema.sql)
 RETURNING id;
 
 -- name: generator_state

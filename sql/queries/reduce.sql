@@ -9,7 +9,7 @@
 -- ---------------------------------------------------------------------------------
 -- Reduce (jobrunner/features/reduce.py, docs/results.md): one task per batch, key '__reduce__',
 -- inserted only once every other task of the batch is terminal. Completion is decided
--- from the rows (jobrunner_batch_settled, migration 0011), never from a counter; the
+-- from the rows (jobrunner_batch_settled, sql/schema.sql), never from a counter; the
 -- insert is idempotent on (batch_id, task_key) and marked on the batch in the same
 -- statement, so any number of callers, at any time, enqueue it at most once.
 

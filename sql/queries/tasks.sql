@@ -33,7 +33,7 @@ FROM STDIN;
 -- Insert the staged tasks of a batch that has no pool; returns how many were new.
 --
 -- Idempotent on (batch_id, task_key): rows that already exist are left untouched (the
--- task table's insert trigger skips a row whose key is in agent_task_key, migration 0017).
+-- task table's insert trigger skips a row whose key is in agent_task_key, sql/schema.sql).
 WITH inserted AS (
     INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, shard_key, payload, max_attempts,
                                   limits, tokens)
@@ -116,7 +116,7 @@ slots_freed AS (
 -- EXISTS is only a pre-filter that keeps rows of busy shards out of the LIMIT;
 -- correctness comes from jobrunner_shard_take (see "Shard leases").
 --
--- Shard leases (migration 0016): a shard's lease is the leased row of its task, and a
+-- Shard leases (sql/schema.sql): a shard's lease is the leased row of its task, and a
 -- unique index over the leased rows' (tenant_id, shard_key) makes two impossible. A
 -- claim takes a shard in jobrunner_shard_take: a transaction-scoped advisory try-lock
 -- per shard (another claim taking it right now: the task is simply not chosen, as a
@@ -188,7 +188,7 @@ one_per_shard AS (
     ORDER BY tenant_id, shard_key, id
 ),
 shard_leases AS (
-    -- the tasks whose shard this claim may lease (migration 0016; a volatile function,
+    -- the tasks whose shard this claim may lease (sql/schema.sql; a volatile function,
     -- so this CTE is evaluated once, and each call checks in a snapshot of its own)
     SELECT id AS task_id FROM one_per_shard WHERE jobrunner_shard_take(tenant_id, shard_key)
 ),
@@ -239,9 +239,9 @@ FROM claimed;
 -- (+50 %% server CPU per task at claim batch 1, measured).
 --
 -- Limits (docs/flow-control.md): for each limit the candidates name, the claim takes
--- one of its lanes (agent_limit_lane, migration 0010) with FOR NO KEY UPDATE SKIP
+-- one of its lanes (agent_limit_lane, sql/schema.sql) with FOR NO KEY UPDATE SKIP
 -- LOCKED, reading its newest version and holding it until commit (in the functions
--- jobrunner_limit_admit and jobrunner_limit_charge, migration 0013, whose statements
+-- jobrunner_limit_admit and jobrunner_limit_charge, sql/schema.sql, whose statements
 -- take fresh snapshots: locked here, a lane other claims keep changing made every claim
 -- re-initialise all of this statement's CTEs for an EvalPlanQual recheck); a lane another claim
 -- holds is skipped, never waited for, and when every lane of a limit is held, its tasks
@@ -311,7 +311,7 @@ candidates AS (
     FOR UPDATE OF q SKIP LOCKED
 ),
 admit AS MATERIALIZED (
-    -- Lock a lane per limit, read the clock, admit candidates (migration 0013: in a
+    -- Lock a lane per limit, read the clock, admit candidates (sql/schema.sql: in a
     -- function so that the lanes, which other claims keep changing, are read with a
     -- fresh snapshot and never rechecked by this statement's EvalPlanQual).
     SELECT * FROM jobrunner_limit_admit(
@@ -329,7 +329,7 @@ one_per_shard AS (
     ORDER BY tenant_id, shard_key, id
 ),
 shard_leases AS (
-    -- the tasks whose shard this claim may lease (migration 0016; a volatile function,
+    -- the tasks whose shard this claim may lease (sql/schema.sql; a volatile function,
     -- so this CTE is evaluated once, and each call checks in a snapshot of its own)
     SELECT id AS task_id FROM one_per_shard WHERE jobrunner_shard_take(tenant_id, shard_key)
 ),
@@ -601,7 +601,7 @@ deleted AS (
     RETURNING q.id, q.batch_id, q.task_key
 ),
 uncounted AS (
-    -- (a reduce or generator task was never counted: migrations 0011, 0012)
+    -- (a reduce or generator task was never counted: sql/schema.sql)
     UPDATE agent_batch b SET tasks = b.tasks - d.n
     FROM (SELECT batch_id, count(*) FILTER (WHERE task_key NOT IN ('__reduce__',
                                                                   '__generate__')) AS n
@@ -643,7 +643,7 @@ one_per_shard AS (
     ORDER BY tenant_id, shard_key, id
 ),
 shard_leases AS (
-    -- the tasks whose shard this claim may lease (migration 0016; a volatile function,
+    -- the tasks whose shard this claim may lease (sql/schema.sql; a volatile function,
     -- so this CTE is evaluated once, and each call checks in a snapshot of its own)
     SELECT id AS task_id FROM one_per_shard WHERE jobrunner_shard_take(tenant_id, shard_key)
 ),

@@ -7,7 +7,7 @@
 -- Worker pools (agent_pool_*; docs/pools.md) and a batch's handler.
 
 -- ---------------------------------------------------------------------------------
--- Worker pools (jobrunner/store/workerpools.py, docs/pools.md, migration 0014): a pool's workers
+-- Worker pools (jobrunner/store/workerpools.py, docs/pools.md, sql/schema.sql): a pool's workers
 -- claim across every open batch of the pool, in the order of the tasks' virtual-time
 -- tags laid at enqueue (fair share by tenant weight, batch priority as a weight
 -- multiplier). Pools take no batch under flow control (refused at enqueue and by
@@ -88,7 +88,7 @@ SELECT pool FROM agent_batch WHERE batch_id = %(batch_id)s;
 -- leased task in one of its batches.
 SELECT EXISTS (SELECT 1 FROM agent_work_queue
                WHERE pool = %(pool)s AND status = 'pending')
-    -- (per batch, through its tenant: migration 0018; LATERAL with LIMIT, so that the
+    -- (per batch, through its tenant, which leads the index; LATERAL with LIMIT, so that the
     -- index of leased rows is probed by tenant and not scanned whole per batch)
     OR EXISTS (SELECT 1 FROM agent_batch b,
                LATERAL (SELECT 1 FROM agent_work_queue q
@@ -134,7 +134,7 @@ SELECT b.tenant_id, coalesce(t.weight, 1) AS weight,
        count(DISTINCT b.batch_id) AS batches,
        sum((SELECT count(*) FROM agent_work_queue q
             WHERE q.batch_id = b.batch_id AND q.status = 'pending')) AS pending,
-       sum((SELECT count(*) FROM agent_work_queue q  -- (the tenant: migration 0018)
+       sum((SELECT count(*) FROM agent_work_queue q  -- (the tenant leads the index)
             WHERE q.tenant_id = b.tenant_id AND q.batch_id = b.batch_id
               AND q.status = 'leased')) AS leased
 FROM agent_batch b
