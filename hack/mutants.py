@@ -170,13 +170,13 @@ MUTANTS: tuple[Mutant, ...] = (
                  "leased index: see Plans\n    RETURNING q.id, q.tenant_id, q.shard_key,"
                  " q.limits\n),\nslots_freed AS (\n    DELETE FROM agent_limit_lease s "
                  "USING released_tasks r"),),
-           ("tests/test_queue.py", "-k", "stale")),
+           ("tests/test_queue.py", "-k", "release_does_not_burn")),
     Mutant("once-outside-the-lease-check",
            "task.once re-checks the lease: a worker that lost it cannot apply the effect",
            (Edit("jobrunner/runtime/effects.py",
                  "if not effects.fence(conn, lease.id, lease.attempt, worker_id):",
                  "if effects.fence(conn, lease.id, lease.attempt, worker_id) is None:"),),
-           ("tests/test_worker.py", "-k", "stalled_worker_loses_lease")),
+           ("tests/test_queue.py", "-k", "once_refuses_an_effect")),
     Mutant("once-without-ledger",
            "task.once: an effect that committed is never applied again by a retry",
            (Edit(EFFECTS, "ON CONFLICT DO NOTHING\nRETURNING 1;",

@@ -38,6 +38,7 @@ def _pytest(tmp_path, ci: str) -> subprocess.CompletedProcess:
     env.pop("PYTEST_XDIST_WORKER", None)
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-q",
                            "-p", "no:cacheprovider", "-n", "0", "--rootdir", str(tmp_path),
+                           "--continue-on-collection-errors",
                            str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
 
@@ -45,8 +46,8 @@ def _pytest(tmp_path, ci: str) -> subprocess.CompletedProcess:
 def test_every_skip_fails_under_ci(tmp_path):
     r = _pytest(tmp_path, "true")
     assert r.returncode == 1, r.stdout[-3000:]
-    assert "3 failed, 1 passed, 1 xfailed" in r.stdout or (
-        "2 failed, 1 passed, 1 xfailed, 1 error" in r.stdout), r.stdout[-3000:]
+    # (a skip in a fixture fails its setup: an error, as a skipped module is)
+    assert "1 failed, 1 passed, 1 xfailed, 2 errors" in r.stdout, r.stdout[-3000:]
     assert r.stdout.count("skipped under CI=true, which allows no skip") >= 3, r.stdout[-3000:]
     assert "the tool is not installed" in r.stdout and "no_such_module_jobrunner" in r.stdout
 

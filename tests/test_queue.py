@@ -141,6 +141,28 @@ def test_same_worker_cannot_ack_heartbeat_fail_or_release_its_older_attempt(conn
     assert row(conn, new.id)["result"] == {"fresh": True}
 
 
+def test_once_refuses_an_effect_after_the_lease_was_lost(queue: Queue, conn, dsn):
+    """task.once's own fence, in the database: an attempt whose lease someone else now
+    holds cannot apply its effect, whatever the worker believes (no lease_lost flag)."""
+    from jobrunner.model.errors import LeaseLost
+    from jobrunner.runtime.effects import Effects
+
+    queue.enqueue("b", "acme", tasks(1))
+    (old,) = queue.claim("b", W1)
+    conn.execute("UPDATE agent_work_queue SET locked_until = now() - interval '1 s'")
+    conn.commit()
+    queue.expire()
+    (new,) = queue.claim("b", W2)
+    effects = Effects(dsn)
+    try:
+        with pytest.raises(LeaseLost):
+            effects.once(old, W1, "write", lambda c: c.execute("SELECT 1") and "applied")
+        assert effects.once(new, W2, "write", lambda c: "applied") == "applied"
+    finally:
+        effects.close()
+    assert conn.execute("SELECT count(*) AS n FROM agent_task_effect").fetchone()["n"] == 1
+
+
 def test_a_claim_skips_rows_another_transaction_holds_locked(queue: Queue, conn, dsn):
     """FOR UPDATE SKIP LOCKED: a row another claim has locked (its transaction still
     open) is skipped at once, never waited on. With a 2 s lock_timeout on the claiming
@@ -233,6 +255,8 @@ def test_expire_returns_to_pending_or_dead_with_reason(queue: Queue, conn):
 def test_release_does_not_burn_an_attempt(queue: Queue, conn):
     queue.enqueue("b", "acme", tasks(1, shard="s"))
     (lease,) = queue.claim("b", W1)
+    assert queue.release(W2, [lease]) == set()  # fenced on the owner: not W2's to give back
+    assert row(conn, lease.id)["status"] == "leased"
     assert queue.release(W1, [lease]) == {lease.id}
     r = row(conn, lease.id)
     assert r["status"] == "pending" and r["attempts"] == 0

@@ -38,15 +38,39 @@ def _libfaketime() -> str:
     return found[0]
 
 
-def skewed_env(dsn: str, offset: str) -> dict[str, str]:
-    return child_env(dsn, LD_PRELOAD=_libfaketime(), FAKETIME=offset,
-                     FAKETIME_DONT_FAKE_MONOTONIC="1")
+# libfaketime 0.9.10 (Debian 12) fails Python's time.sleep with EINVAL when the monotonic
+# clock is left alone (its clock_nanosleep wrapper shifts the absolute CLOCK_MONOTONIC
+# deadline Python passes), and hangs it when that clock is faked too. Every other wait
+# (Event.wait, select, lock and queue timeouts) works, so the worker processes get a
+# time.sleep made of select(): a sitecustomize on their PYTHONPATH. Only sleeping
+# changes; every clock read (time.time, datetime.now, ...) is the faked one.
+SLEEP_SHIM = """
+import select, time
+
+def _sleep(seconds):
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        select.select([], [], [], left)
+
+time.sleep = _sleep
+"""
+
+
+def skewed_env(dsn: str, offset: str, shim_dir) -> dict[str, str]:
+    (shim_dir / "sitecustomize.py").write_text(SLEEP_SHIM)
+    env = child_env(dsn, LD_PRELOAD=_libfaketime(), FAKETIME=offset,
+                    FAKETIME_DONT_FAKE_MONOTONIC="1")
+    env["PYTHONPATH"] = f"{shim_dir}:{env['PYTHONPATH']}"
+    return env
 
 
 def _clock_of(env: dict[str, str]) -> float:
-    out = subprocess.run([sys.executable, "-c", "import time; print(time.time())"], env=env,
-                         capture_output=True, text=True, check=True).stdout
-    return float(out) - time.time()
+    out = subprocess.run([sys.executable, "-c", "import time, datetime; time.sleep(0.01);"
+                          " print(time.time(), datetime.datetime.now().timestamp())"],
+                         env=env, capture_output=True, text=True, check=True).stdout.split()
+    now = time.time()
+    assert abs(float(out[0]) - float(out[1])) < 5  # datetime sees the same skewed clock
+    return float(out[0]) - now
 
 
 def _one(conn, sql: str, *args):
@@ -57,7 +81,7 @@ def _one(conn, sql: str, *args):
 
 def test_workers_with_clocks_off_by_hours_lease_heartbeat_back_off_and_are_rescued(
         dsn, conn, tmp_path):
-    behind, ahead = skewed_env(dsn, "-3h"), skewed_env(dsn, "+5h")
+    behind, ahead = skewed_env(dsn, "-3h", tmp_path), skewed_env(dsn, "+5h", tmp_path)
     # the skew is real in the worker's process (what time.time() and datetime.now() see)
     assert abs(_clock_of(behind) + 3 * 3600) < 60 and abs(_clock_of(ahead) - 5 * 3600) < 60
 

@@ -195,6 +195,9 @@ def test_lease_lost_kills_command_handler_and_never_acks(dsn, conn, tmp_path):
         worker.send_signal(signal.SIGTERM)
         worker.wait(30)
     assert not marker.exists()
+    # the worker counted its outcome lost and dropped it: it sent nothing for the task
+    # (the fenced ack would have changed nothing either; this is the worker's own rule)
+    assert "'lost': 1" in (tmp_path / "w.log").read_text()
 
 
 def test_stalled_worker_loses_lease_and_applies_no_effect(dsn, conn, tmp_path):

@@ -282,7 +282,13 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
         tail = ""
         if kind == "crash":
             log = tmp_path / f"{label}-w{i}.log"
-            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            text = log.read_text(errors="replace") if log.exists() else ""
+            # (the slot's log holds every generation: the traceback's own frames and its
+            # error line, not the rich box's library frames that fill its last 3,000 bytes)
+            lines = text.splitlines()[-400:]
+            tail = "\n".join(line for line in lines
+                             if "jobrunner" in line or "Error" in line or "error" in line
+                             )[-3000:]
         exits.append(Exit(i, w.pid, code, time.time(), kind, tail))
     plan = sorted(faults, key=lambda f: f.at)
     started = time.monotonic()
