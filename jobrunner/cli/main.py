@@ -172,10 +172,16 @@ def worker(
         exit_when_drained=exit_when_drained, grace_period=grace_period, listen=listen,
         max_tasks=max_tasks, lost_lease_grace=lost_lease_grace,
         idle_poll=(poll_interval * 0.4, poll_interval))
-    with db.connect(dsn_value, purpose="jobrunner-worker") as conn:
-        if batch is not None:
-            Queue(conn).batch(batch)  # unknown batch: a clear error before any thread starts
-            check_reduce(conn, batch)  # so is a reduce step that does not load
+    def check_batch() -> None:
+        with db.connect(dsn_value, purpose="jobrunner-worker") as conn:
+            if batch is not None:
+                Queue(conn).batch(batch)  # unknown batch: a clear error before any thread starts
+                check_reduce(conn, batch)  # so is a reduce step that does not load
+
+    # A worker started while the server restarts, or while PgBouncer refuses logins after
+    # one (server_login_retry), waits for it as its claim loop would, for a while, instead
+    # of exiting; a DSN that never works still fails with its error.
+    db.retrying(check_batch, attempts=8)
     code = run_worker(config)
     logging.shutdown()
     sys.stdout.flush()

@@ -35,6 +35,7 @@ from psycopg.rows import dict_row
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
+from jobrunner.worker.executor import EXIT_WEDGED
 from tests.support.figures import show
 from tests.support.processes import child_env, start_worker
 
@@ -94,7 +95,7 @@ class Exit:
     pid: int
     code: int
     at: float
-    kind: str  # "killed" (by the soak's SIGKILL), "clean" (0) or "crash" (anything else)
+    kind: str  # "killed" (by the soak's SIGKILL), "clean" (0), "wedged" (EXIT_WEDGED), "crash"
     log_tail: str = ""
 
 
@@ -183,7 +184,7 @@ class SoakResult:
 
     def exit_counts(self) -> dict[str, int]:
         return {kind: sum(e.kind == kind for e in self.exits)
-                for kind in ("killed", "clean", "crash")}
+                for kind in ("killed", "clean", "wedged", "crash")}
 
     @property
     def crashes(self) -> list[Exit]:
@@ -192,7 +193,7 @@ class SoakResult:
     def exits_figure(self) -> str:
         c = self.exit_counts()
         return (f"worker_exits={len(self.exits)} (killed_by_soak={c['killed']} "
-                f"clean={c['clean']} crashed={c['crash']}) "
+                f"clean={c['clean']} wedged={c['wedged']} crashed={c['crash']}) "
                 f"executions_witnessed={len(self.executions)} "
                 f"shard_execution_overlaps={len(self.execution_overlaps)}")
 
@@ -278,7 +279,11 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
         reaped.add(w.pid)
         code = w.returncode
         kind = ("killed" if by_soak and code == -signal.SIGKILL
-                else "clean" if code == 0 else "crash")
+                else "clean" if code == 0
+                # the documented exit of a worker whose sync handler kept running after its
+                # lease was lost (blocked on a database that stopped answering): by design,
+                # its supervisor replaces it; counted, and not a crash
+                else "wedged" if code == EXIT_WEDGED else "crash")
         tail = ""
         if kind == "crash":
             log = tmp_path / f"{label}-w{i}.log"
