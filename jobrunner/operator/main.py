@@ -11,6 +11,10 @@ import kopf
 from jobrunner.model.logs import setup_logging
 from jobrunner.operator import metrics
 
+# Importing registers the handlers (login, BatchRun, BatchRunSchedule, WorkerPool) in
+# kopf's default registry: without these imports kopf.run() starts with none of them.
+from jobrunner.operator import batchrun, schedule, workerpool  # noqa: F401  isort: skip
+
 
 class _QuietTimer(logging.Filter):
     """The status refresh succeeds every few seconds per run, and the schedules' watches
@@ -52,7 +56,6 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, args.log_format)
     logging.getLogger("kopf").setLevel(args.log_level.upper())
     logging.getLogger("kopf.objects").addFilter(_QuietTimer())
-    # (importing registers the handlers of BatchRun, BatchRunSchedule and WorkerPool)
 
     metrics.serve(args.metrics_port)
     kopf.run(
