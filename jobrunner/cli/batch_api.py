@@ -69,6 +69,9 @@ def serve(
     max_file_lines: Annotated[int, typer.Option(min=1)] = 50_000,
     max_attempts: Annotated[int, typer.Option(min=1, max=1000)] = 5,
     output_retention_days: Annotated[float, typer.Option(min=0.0001)] = 30,
+    min_window_seconds: Annotated[int, typer.Option(
+        min=1, help="Shortest completion_window accepted (24h is OpenAI's only one).")] = 60,
+    max_window_seconds: Annotated[int, typer.Option(min=1)] = 7 * 86400,
     reuse_port: Annotated[bool, typer.Option(
         "--reuse-port", help="SO_REUSEPORT: several replicas on one host and port.")] = False,
     dsn: DsnOpt = None,
@@ -79,7 +82,8 @@ def serve(
 
     settings = Settings(dsn=db.resolve_dsn(dsn), pool=pool, routes_file=routes,
                         max_file_bytes=max_file_bytes, max_file_lines=max_file_lines,
-                        max_attempts=max_attempts,
+                        max_attempts=max_attempts, min_window_seconds=min_window_seconds,
+                        max_window_seconds=max_window_seconds,
                         output_retention_seconds=output_retention_days * 86400)
     settings.routes()  # a bad routing table stops here, not at the first batch
     run(settings, host, port, reuse_port=reuse_port)

@@ -133,10 +133,12 @@ def create_batch(ctx: Context, who: str, body: Any, idempotency: str | None
         batch_id = store.new_id("batch_")
         found: dict[str, Any] = {}
         try:
-            with conn.transaction():
+            # The file is read on a second connection: the first is busy with the COPY
+            # its lines stream into.
+            with ctx.db.connection() as reader, conn.transaction():
                 store.enqueue_batch(conn, batch_id=batch_id, tenant_id=who, pool=settings.pool,
                                     handler=HANDLER, rows=_tasks(
-                                        conn, file["file_id"], endpoint, routes,
+                                        reader, file["file_id"], endpoint, routes,
                                         settings.max_attempts, found))
                 if not found.get("total"):
                     raise APIError(400, "The input file has no requests",
@@ -151,6 +153,7 @@ def create_batch(ctx: Context, who: str, body: Any, idempotency: str | None
         except psycopg.errors.UniqueViolation:
             raise APIError(409, "A request with this Idempotency-Key is in progress",
                            code="idempotency_conflict") from None
+        conn.commit()
         faults.point("batches.after_commit")
         return batch_object(conn, store.get_batch(conn, who, batch_id))
 
