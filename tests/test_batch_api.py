@@ -24,7 +24,7 @@ import openai
 import psycopg
 import pytest
 
-from tests.conftest import REPO, _scratch_database, child_env, cli, start_worker, wait_for
+from tests.conftest import REPO, _scratch_database, child_env, cli, wait_for
 from tests.support.openai_server import OpenAITestServer, expected_body
 
 MODEL = "test-model"
@@ -78,11 +78,15 @@ class Stack:
             return False
 
     def start_workers(self, n: int = 2) -> None:
+        # (not conftest.start_worker: its workers are reaped after each test, these serve
+        # the whole module)
         for _ in range(n):
-            self.workers.append(start_worker(
-                self.dsn, "", "jobrunner.openai_batch:handle", "--concurrency", "4",
-                "--backoff-base", "0.05", "--backoff-cap", "0.2", pool="batch-api",
-                env=self.env(), log=self.tmp / "workers.log"))
+            log = open(self.tmp / "workers.log", "ab")  # noqa: SIM115
+            self.workers.append(subprocess.Popen(
+                [sys.executable, "-m", "jobrunner", "worker", "--pool", "batch-api",
+                 "--handler", "jobrunner.openai_batch:handle", "--concurrency", "4",
+                 "--backoff-base", "0.05", "--backoff-cap", "0.2", "--log-level", "info"],
+                env=self.env(), cwd=REPO, stdout=log, stderr=log, start_new_session=True))
 
     def key(self, tenant: str) -> str:
         r = cli("api-key", "create", "--tenant", tenant, dsn=self.dsn, check=True)
@@ -234,7 +238,7 @@ def test_the_completion_window_expires_the_batch_with_partial_results(stack: Sta
     client = stack.client(stack.key("expiring"))
     stack.upstream.delay("[slow-e]", 0.8, times=None)
     reqs = [request(f"q{i}", "quick") for i in range(3)]
-    reqs += [request(f"s{i}", f"[slow-e] {i}") for i in range(40)]
+    reqs += [request(f"s{i}", f"[slow-e] {i}") for i in range(80)]
     file = client.files.create(file=("e.jsonl", jsonl(reqs)), purpose="batch")
     batch = client.batches.create(input_file_id=file.id, endpoint=ENDPOINT,
                                   completion_window="4s")
