@@ -72,6 +72,7 @@ def serve(
     min_window_seconds: Annotated[int, typer.Option(
         min=1, help="Shortest completion_window accepted (24h is OpenAI's only one).")] = 60,
     max_window_seconds: Annotated[int, typer.Option(min=1)] = 7 * 86400,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     reuse_port: Annotated[bool, typer.Option(
         "--reuse-port", help="SO_REUSEPORT: several replicas on one host and port.")] = False,
     dsn: DsnOpt = None,
@@ -86,7 +87,7 @@ def serve(
                         max_window_seconds=max_window_seconds,
                         output_retention_seconds=output_retention_days * 86400)
     settings.routes()  # a bad routing table stops here, not at the first batch
-    run(settings, host, port, reuse_port=reuse_port)
+    run(settings, host, port, reuse_port=reuse_port, log_level=log_level)
 
 
 def register(app: typer.Typer) -> None:
