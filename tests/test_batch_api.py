@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,9 +24,11 @@ import httpx
 import openai
 import psycopg
 import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
-from tests.conftest import REPO, _scratch_database, child_env, cli, wait_for
 from tests.support.openai_server import OpenAITestServer, expected_body
+from tests.support.processes import REPO, child_env, cli, wait_for
 
 MODEL = "test-model"
 ENDPOINT = "/v1/chat/completions"
@@ -106,17 +109,29 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(pg_admin_dsn: str, template_db: str, tmp_path_factory) -> Iterator[Stack]:
+def module_dsn(pg_admin_dsn: str, template_db: str) -> Iterator[str]:
+    """A migrated database for the whole module (the `dsn` fixture's, module-scoped)."""
+    name = f"jr_api_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_admin_dsn, autocommit=True) as c:
+        c.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(name), sql.Identifier(template_db)))
+    yield make_conninfo(pg_admin_dsn, dbname=name)
+    with psycopg.connect(pg_admin_dsn, autocommit=True) as c:
+        c.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name)))
+
+
+@pytest.fixture(scope="module")
+def stack(module_dsn: str, tmp_path_factory) -> Iterator[Stack]:
     with OpenAITestServer(api_key="sk-upstream") as upstream:
-        for dsn in _scratch_database(pg_admin_dsn, template_db):
-            s = Stack(dsn, tmp_path_factory.mktemp("batch-api"), upstream)
-            try:
-                s.start_replica()
-                s.start_replica()
-                s.start_workers(2)
-                yield s
-            finally:
-                s.stop()
+        s = Stack(module_dsn, tmp_path_factory.mktemp("batch-api"), upstream)
+        try:
+            s.start_replica()
+            s.start_replica()
+            s.start_workers(2)
+            yield s
+        finally:
+            s.stop()
 
 
 def request(custom_id: str, text: str, *, model: str = MODEL, url: str = ENDPOINT) -> dict:
