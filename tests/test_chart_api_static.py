@@ -48,7 +48,9 @@ def test_api_pods_are_hardened_and_probed():
                  "automountServiceAccountToken: false",
                  "httpGet: {path: /healthz, port: http}", "httpGet: {path: /readyz, port: http}"):
         assert line in text, line
-    assert "- --host=0.0.0.0" in text  # (in a pod; the command's own default is 127.0.0.1)
+    # every interface of the pod by default (the command's own default is 127.0.0.1)
+    assert "- --host={{ .Values.api.host }}" in text
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["api"]["host"] == "0.0.0.0"
 
 
 def test_upstream_keys_and_the_dsn_come_from_secrets_only():
