@@ -29,6 +29,16 @@ def _sweeper(ctx: Context, stop: threading.Event) -> None:
             log.warning("sweep failed: %s: %s", type(exc).__name__, exc)
 
 
+def _counter(ctx: Context, stop: threading.Event) -> None:
+    """Recounts the open batches being watched before their figures age (counts.py)."""
+    while not stop.wait(ctx.counts.max_age / 4):
+        try:
+            with ctx.db.connection() as conn:
+                ctx.counts.refresh(conn)
+        except Exception as exc:  # (the database away: retrieves count for themselves)
+            log.warning("recounting watched batches failed: %s: %s", type(exc).__name__, exc)
+
+
 def create_app(settings: Settings, *, sweeper: bool = True) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -40,15 +50,18 @@ def create_app(settings: Settings, *, sweeper: bool = True) -> Starlette:
         ctx = Context(settings, db)
         app.state.context = ctx
         stop = threading.Event()
-        thread = threading.Thread(target=_sweeper, args=(ctx, stop), daemon=True,
-                                  name="batch-sweeper")
+        threads = [threading.Thread(target=_counter, args=(ctx, stop), daemon=True,
+                                    name="batch-counter")]
         if sweeper:
+            threads.append(threading.Thread(target=_sweeper, args=(ctx, stop), daemon=True,
+                                            name="batch-sweeper"))
+        for thread in threads:
             thread.start()
         try:
             yield
         finally:
             stop.set()
-            if sweeper:
+            for thread in threads:
                 thread.join(10)
             db.close()
 

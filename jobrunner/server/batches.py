@@ -37,7 +37,7 @@ def retrieve_batch(request: Request) -> Response:
         row = store.get_batch(conn, tenant(request, conn), batch_id)
         if row is None:
             raise not_found("Batch", batch_id)
-        return JSONResponse(service.batch_object(conn, row))
+        return JSONResponse(service.batch_object(ctx, conn, row))
 
 
 def list_batches(request: Request) -> Response:
@@ -52,7 +52,7 @@ def list_batches(request: Request) -> Response:
         who = tenant(request, conn)
         rows = store.list_batches(conn, who, after=request.query_params.get("after"),
                                   limit=limit + 1)
-        data = [service.batch_object(conn, r) for r in rows[:limit]]
+        data = [service.batch_object(ctx, conn, r) for r in rows[:limit]]
     return JSONResponse({"object": "list", "data": data,
                          "first_id": data[0]["id"] if data else None,
                          "last_id": data[-1]["id"] if data else None,

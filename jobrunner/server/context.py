@@ -11,6 +11,7 @@ from psycopg_pool import ConnectionPool
 from starlette.requests import Request
 
 from jobrunner.features import model_routes
+from jobrunner.server.counts import LiveCounts
 from jobrunner.server.errors import APIError
 from jobrunner.store import batch_api as store
 
@@ -52,6 +53,7 @@ class Settings:
 class Context:
     settings: Settings
     db: ConnectionPool
+    counts: LiveCounts = field(default_factory=LiveCounts)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

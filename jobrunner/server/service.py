@@ -120,7 +120,7 @@ def create_batch(ctx: Context, who: str, body: Any, idempotency: str | None
         if idempotency:
             existing = store.batch_by_idempotency(conn, who, idempotency)
             if existing:
-                return batch_object(conn, store.get_batch(conn, who, existing))
+                return batch_object(ctx, conn, store.get_batch(conn, who, existing))
         file = store.get_file(conn, who, body["input_file_id"])
         if file is None:
             raise not_found("File", body["input_file_id"], "input_file_id")
@@ -155,21 +155,23 @@ def create_batch(ctx: Context, who: str, body: Any, idempotency: str | None
                            code="idempotency_conflict") from None
         conn.commit()
         faults.point("batches.after_commit")
-        return batch_object(conn, store.get_batch(conn, who, batch_id))
+        return batch_object(ctx, conn, store.get_batch(conn, who, batch_id))
 
 
 def _ts(value: Any) -> int | None:
     return int(value.timestamp()) if value is not None else None
 
 
-def batch_object(conn: psycopg.Connection, row: dict[str, Any]) -> dict[str, Any]:
-    """The batch as OpenAI returns it. An open batch's counts come from the queue."""
+def batch_object(ctx: Context, conn: psycopg.Connection, row: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """The batch as OpenAI returns it. An open batch's counts and usage come from the
+    queue, at most a second old (counts.py); an ended batch's are final."""
     if row["status"] in ("in_progress", "finalizing", "cancelling"):
-        counts = store.task_counts(conn, row["batch_id"])
-        completed, failed = counts["done"], counts["dead"] + counts["cancelled"]
+        usage = ctx.counts.read(conn, row["batch_id"])
+        completed, failed = usage["completed"], usage["failed"]
     else:
         completed, failed = row["completed"], row["failed"]
-    usage = store.batch_usage(conn, row["batch_id"])
+        usage = store.batch_usage(conn, row["batch_id"])
     return {
         "id": row["batch_id"], "object": "batch", "endpoint": row["endpoint"],
         "model": row["model"], "errors": None, "input_file_id": row["input_file_id"],
@@ -224,6 +226,7 @@ def advance(ctx: Context, batch_id: str) -> str | None:
                  in results.rows(reader, batch_id, errors=True)))
         store.end_batch(conn, batch_id, status=final, completed=completed, failed=failed,
                         output_file_id=output, error_file_id=errors)
+        ctx.counts.forget(batch_id)
         return final
 
 
@@ -258,7 +261,7 @@ def cancel(ctx: Context, who: str, batch_id: str) -> dict[str, Any]:
         store.request_cancel(conn, who, batch_id)
     advance(ctx, batch_id)  # ends it now if nothing runs
     with ctx.db.connection() as conn:
-        return batch_object(conn, store.get_batch(conn, who, batch_id))
+        return batch_object(ctx, conn, store.get_batch(conn, who, batch_id))
 
 
 def sweep(ctx: Context) -> None:
