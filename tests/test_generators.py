@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from pathlib import Path
 
+import psycopg
 import pytest
 import yaml
+from psycopg.rows import dict_row
 
 from jobrunner.features import generators, reduce
 from jobrunner.features.generators import GENERATE_KEY, GeneratorSpec
@@ -141,6 +144,46 @@ def test_the_reduce_runs_once_after_the_generator_and_all_its_tasks(dsn, conn, t
     assert (reduce_task["status"], reduce_task["attempts"]) == ("done", 1)
     assert reduce.batch_result(conn, "b").value() == 400  # it saw every generated task
     assert reduce_task["created_at"] >= generator_row(conn)["finished_at"]
+
+
+def test_a_task_enqueued_as_the_trigger_fires_holds_the_reduce_back(dsn, conn, tmp_path):
+    """The trigger's lock-free look says "due"; a task enqueued before it takes the batch's
+    lock must still keep the reduce waiting: the rows are read again under the lock. A
+    count would not see it here: the generator's own done row is one finished row more
+    than the batch's tasks, so one pending task leaves the count at the tasks."""
+    start(conn, args={"count": 2})
+    assert [p.wait(60) for p in workers(dsn, 1, tmp_path=tmp_path)] == [0]
+    assert generator_row(conn)["status"] == "done"
+    # The reduce step comes after the run (the operator's attach), so no worker has
+    # enqueued it yet: the batch is settled and the reduce due.
+    reduce.attach(conn, "b", reduce.ReduceSpec(handler="tests.support.reduce_handlers:count"))
+    assert reduce.state(conn, "b").due
+    fired: list = []
+
+    def fire() -> None:
+        with psycopg.connect(dsn, autocommit=True, row_factory=dict_row,
+                             application_name="reduce-trigger") as c:
+            fired.append(reduce.trigger(c, "b"))
+
+    def trigger_waits_for_the_batch_lock() -> bool:
+        return one(conn, "SELECT count(*) AS n FROM pg_stat_activity"
+                         " WHERE application_name = 'reduce-trigger'"
+                         " AND wait_event_type = 'Lock'")["n"] == 1
+
+    trigger = threading.Thread(target=fire)
+    # (the enqueue's transaction holds the batch row until it commits)
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as adder, \
+            adder.transaction():
+        Queue(adder).enqueue("b", "acme", [TaskSpec("late", {})])
+        trigger.start()
+        wait_for(trigger_waits_for_the_batch_lock, timeout=30,
+                 what="the trigger, past its lock-free look, to wait for the batch")
+    trigger.join(30)
+    assert one(conn, "SELECT count(*) AS n FROM agent_work_queue WHERE task_key = '__reduce__'"
+               )["n"] == 0, "the reduce was enqueued while a task of its batch was pending"
+    assert fired and not fired[0].enqueued
+    assert [p.wait(60) for p in workers(dsn, 1, tmp_path=tmp_path)] == [0]
+    assert reduce.batch_result(conn, "b").value() == 3  # "late" included
 
 
 def test_a_bad_item_fails_the_generator_at_once_with_its_position(dsn, conn, tmp_path):

@@ -235,6 +235,45 @@ def test_a_batch_cancelled_mid_run_never_reduces(dsn, conn, tmp_path):
     assert st.phase(counts) == "cancelled" and not st.enqueued
 
 
+def test_a_cancel_committed_as_the_trigger_fires_stops_the_reduce(dsn, conn, tmp_path):
+    """The trigger's lock-free look says "due"; a cancel that commits before it takes the
+    batch's lock must still stop the reduce: the batch row is read again under the lock.
+    (A batch cancelled before that look is never even tried, which is why the mid-run
+    cancel above cannot tell.) Every task is done already, so the cancel changes no task
+    and the batch stays settled: only cancelled_at says no."""
+    Queue(conn).enqueue("b", "acme", [TaskSpec(f"t{i}", {}) for i in range(3)])
+    assert [p.wait(60) for p in workers(dsn, 1, "tests.support.handlers:record",
+                                        tmp_path=tmp_path)] == [0]
+    # The reduce step comes after the run (the operator's attach), so no worker has
+    # enqueued it yet: the batch is settled and the reduce due.
+    reduce.attach(conn, "b", ReduceSpec(handler=COLLECT))
+    assert reduce.state(conn, "b").due
+    fired: list = []
+
+    def fire() -> None:
+        with psycopg.connect(dsn, autocommit=True, row_factory=dict_row,
+                             application_name="reduce-trigger") as c:
+            fired.append(reduce.trigger(c, "b"))
+
+    def trigger_waits_for_the_batch_lock() -> bool:
+        return one(conn, "SELECT count(*) AS n FROM pg_stat_activity"
+                         " WHERE application_name = 'reduce-trigger'"
+                         " AND wait_event_type = 'Lock'")["n"] == 1
+
+    trigger = threading.Thread(target=fire)
+    # (the cancel's transaction holds the batch row until it commits)
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as canceller, \
+            canceller.transaction():
+        Queue(canceller).cancel("b")
+        trigger.start()
+        wait_for(trigger_waits_for_the_batch_lock, timeout=30,
+                 what="the trigger, past its lock-free look, to wait for the batch")
+    trigger.join(30)
+    assert reduce_row(conn) is None, "a batch cancelled before its reduce was enqueued got one"
+    assert fired and not fired[0].enqueued and fired[0].cancelled
+    assert Queue(conn).counts("b")["done"] == 3  # the cancel found nothing left to stop
+
+
 def test_cancel_after_the_reduce_was_enqueued_cancels_it(dsn, conn):
     enqueue(conn, "b", [TaskSpec("t", {})])
     conn.execute("UPDATE agent_work_queue SET status = 'done', finished_at = now()")

@@ -200,6 +200,45 @@ def test_lease_lost_kills_command_handler_and_never_acks(dsn, conn, tmp_path):
     assert "'lost': 1" in (tmp_path / "w.log").read_text()
 
 
+def test_lease_lost_to_failed_heartbeats_is_never_recorded(dsn, conn, tmp_path):
+    """A worker that gave its lease up (no renewal for a whole lease) records nothing for
+    the attempt, even when the row still names it: there the database's fence on (id,
+    owner, attempt) would let the outcome through, so only the worker's rule keeps it
+    out. (A lease lost to a re-claim is refused by that fence whatever the worker sends,
+    which is why the command-handler test above cannot tell.)"""
+    q(conn).enqueue("b", "acme", [TaskSpec("held", {"sleep": 60})], max_attempts=1)
+    worker = start_worker(dsn, "b", "tests.support.handlers:record", *FAST,
+                          log=tmp_path / "w.log")
+    try:
+        wait_for(lambda: executions(conn, "held") == 1, what="the task to start")
+        owner = one(conn, "SELECT lease_owner FROM agent_work_queue")["lease_owner"]
+        # A row lock held past the heartbeat's statement timeout: no renewal lands, so the
+        # worker gives the lease up, while the row stays leased to it.
+        with psycopg.connect(dsn) as locker:
+            locker.execute("SELECT 1 FROM agent_work_queue WHERE task_key = 'held' FOR UPDATE")
+            wait_for(lambda: "no heartbeat succeeded for a whole lease"
+                     in (tmp_path / "w.log").read_text(), timeout=30,
+                     what="the worker to give the lease up")
+            # No rescue may end the attempt before the worker's outcome would reach the
+            # row: then only an outcome the worker sent can change it.
+            locker.execute("UPDATE agent_work_queue SET locked_until = now() + interval '1 hour'"
+                           " WHERE task_key = 'held'")
+        # The stopped handler's outcome rides on the statement that claims the next task
+        # (concurrency 1: nothing is claimed before that handler is done), so once "after"
+        # runs, whatever the worker was going to send about "held" has been committed.
+        q(conn).enqueue("b", "acme", [TaskSpec("after", {})])
+        wait_for(lambda: executions(conn, "after") == 1, what="the next task to start")
+        r = one(conn, "SELECT status, lease_owner, attempts, last_error FROM agent_work_queue"
+                      " WHERE task_key = 'held'")
+        assert r == {"status": "leased", "lease_owner": owner, "attempts": 1,
+                     "last_error": None}, "the worker recorded an attempt it had given up"
+        ended = one(conn, "SELECT ended_at FROM exec_log WHERE task_key = 'held'")["ended_at"]
+        assert ended is None  # its handler was stopped, not left to finish
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(30)
+
+
 def test_stalled_worker_loses_lease_and_applies_no_effect(dsn, conn, tmp_path):
     """SIGSTOP past the lease, SIGCONT: the stale worker must not ack or apply its effect."""
     q(conn).enqueue("b", "acme", [TaskSpec("t", {"sleep": 1.0})])
