@@ -161,9 +161,16 @@ CREATE FUNCTION public.jobrunner_pool_now(p_pool text) RETURNS double precision
     LANGUAGE sql
     AS $$
     SELECT coalesce(
-        (SELECT q.vtag FROM agent_work_queue q
-         WHERE q.pool = p_pool AND q.status = 'pending' AND q.run_after <= clock_timestamp()
-         ORDER BY q.vtag, q.id LIMIT 1),
+        greatest(
+            (SELECT q.vtag FROM agent_work_queue q
+             WHERE q.pool = p_pool AND q.status = 'pending' AND q.run_after <= clock_timestamp()
+             ORDER BY q.vtag, q.id LIMIT 1),
+            (SELECT max(l.vtag)
+             FROM (SELECT DISTINCT b.tenant_id FROM agent_batch b WHERE b.pool = p_pool) t
+             CROSS JOIN LATERAL (
+                 SELECT max(q.vtag) AS vtag FROM agent_work_queue q
+                 WHERE q.tenant_id = t.tenant_id AND q.status = 'leased'
+                   AND q.pool = p_pool) l)),
         (SELECT p.vclock FROM agent_pool p WHERE p.pool = p_pool),
         0)
 $$;

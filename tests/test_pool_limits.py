@@ -149,6 +149,23 @@ def test_a_spent_budget_stops_its_pool_batch_and_not_the_others(conn):
     assert [x.key for x in _claim(q, "p")] == ["a0001"]
 
 
+def test_a_tenant_arriving_while_another_is_held_joins_the_streams_being_served(conn):
+    """Migration 0019: the pool's virtual time now is at least the largest tag its workers
+    hold. A held stream's oldest task (small tag) must not be where a newcomer starts:
+    laid there it would be ahead of everything the pool is serving."""
+    q = Queue(conn)
+    limits.set_limit(conn, "slow", requests=1, per=3600)
+    q.enqueue("a", "A", _tasks("a", 20, limits=("slow",)), pool="p")
+    q.enqueue("b", "B", _tasks("b", 60), pool="p")
+    got = [lease.key[0] for _ in range(30) for lease in _claim(q, "p")]
+    assert got.count("a") == 1 and got.count("b") == 29, got  # A is held at its first task
+    q.enqueue("c", "C", _tasks("c", 20), pool="p")
+    q.forget_scan_position(("pool", "p"))  # (as a worker does on the enqueue's NOTIFY)
+    got = [lease.key[0] for _ in range(20) for lease in _claim(q, "p")]
+    # B and C alternate (equal weights); laid at A's oldest task, C would take all 20
+    assert 9 <= got.count("c") <= 11, got
+
+
 def test_a_pool_claims_with_limits_only_while_it_has_such_work(conn):
     q = Queue(conn)
     limits.set_limit(conn, "l", requests=1000, per=1)
@@ -326,3 +343,27 @@ def test_a_budget_on_a_pool_batch_stops_it_and_not_the_other_batch(dsn, conn, lo
     cli("budget", "set", "--batch", "a", "--tokens", "100000", dsn=dsn, check=True)
     wait_for(lambda: q.counts("a")["done"] == 40, timeout=60, what="A to finish")
     _stop(workers, tmp_path)
+
+
+def test_the_pool_claim_with_limits_shares_its_halves_with_the_other_claims():
+    """task_ack_and_claim_pool_limited must ack as every claim does, and admit, charge and
+    stamp as task_ack_and_claim_limited does: the shared text is kept identical, so a
+    change to one that is not made to the other fails here."""
+    from jobrunner.store.sqlfiles import query
+
+    plain, limited = query("task_ack_and_claim"), query("task_ack_and_claim_limited")
+    pooled = query("task_ack_and_claim_pool_limited")
+
+    def between(text: str, start: str, end: str) -> str:
+        return text[text.index(start):text.index(end, text.index(start))]
+
+    assert between(plain, "WITH lockable AS", "candidates AS (") == between(
+        pooled, "WITH lockable AS", "candidates AS (")
+    for start, end in (("limit_ok AS (", "one_per_shard AS ("),
+                       ("shard_leases AS (", "claimed AS ("),
+                       ("SET status = 'leased'", "RETURNING")):
+        assert between(limited, start, end) == between(pooled, start, end), start
+    # the batch's pre-filter of visibly full limits, plus the slots (see the statement)
+    prefilter = between(limited, "AND (q.limits IS NULL OR", "AND NOT EXISTS (\n")
+    assert prefilter.rstrip(")\n ") in pooled
+    assert "ORDER BY q.vtag, q.id" in pooled and "ORDER BY vtag, id))" in pooled

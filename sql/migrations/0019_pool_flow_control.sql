@@ -86,3 +86,40 @@ BEGIN
     LEFT JOIN limit_live v ON v.limit_name = w.name;
 END
 $fn$;
+
+-- The pool's virtual time now, where a new stream's tags start: no longer the smallest tag
+-- of a due pending task alone, but at least the largest tag of a task the pool's workers
+-- hold (the service's frontier: claims take tags in order, so the newest claims carry the
+-- largest tags).
+--
+-- With flow control a stream can be held back while the others are served: a tenant whose
+-- limit is full, paused by a 429 or whose budget is spent keeps its oldest tasks pending
+-- at small tags while the rest of the pool moves on. The smallest due pending tag is then
+-- that held stream's, far behind the frontier, and a tenant arriving would be laid there:
+-- ahead of every pending task of the streams being served, it would take every claim
+-- until its tags caught up with theirs (credit for idleness, which docs/pools.md rules
+-- out). The frontier is where the service is: a newcomer joins the streams being served
+-- at their pace. Without flow control the two agree, give or take the claims in flight
+-- (and a retried or shard-blocked task no longer pulls the newcomer back either). With
+-- nothing leased at the moment of the enqueue, the smallest due pending tag is all there
+-- is (docs/pools.md says so).
+--
+-- The leased tasks are found per tenant of the pool (agent_batch's pool index, then the
+-- leased index by tenant: a tenant's live leases), at an enqueue, under the pool's lock:
+-- never in a claim.
+CREATE OR REPLACE FUNCTION jobrunner_pool_now(p_pool text) RETURNS float8
+LANGUAGE sql VOLATILE AS $$
+    SELECT coalesce(
+        greatest(
+            (SELECT q.vtag FROM agent_work_queue q
+             WHERE q.pool = p_pool AND q.status = 'pending' AND q.run_after <= clock_timestamp()
+             ORDER BY q.vtag, q.id LIMIT 1),
+            (SELECT max(l.vtag)
+             FROM (SELECT DISTINCT b.tenant_id FROM agent_batch b WHERE b.pool = p_pool) t
+             CROSS JOIN LATERAL (
+                 SELECT max(q.vtag) AS vtag FROM agent_work_queue q
+                 WHERE q.tenant_id = t.tenant_id AND q.status = 'leased'
+                   AND q.pool = p_pool) l)),
+        (SELECT p.vclock FROM agent_pool p WHERE p.pool = p_pool),
+        0)
+$$;
