@@ -150,7 +150,7 @@ def test_a_spent_budget_stops_its_pool_batch_and_not_the_others(conn):
 
 
 def test_a_tenant_arriving_while_another_is_held_joins_the_streams_being_served(conn):
-    """Migration 0019: the pool's virtual time now is at least the largest tag its workers
+    """Migration 0020: the pool's virtual time now is at least the largest tag its workers
     hold. A held stream's oldest task (small tag) must not be where a newcomer starts:
     laid there it would be ahead of everything the pool is serving."""
     q = Queue(conn)
