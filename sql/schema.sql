@@ -523,6 +523,60 @@ CREATE TABLE public.agent_work_queue_archive (
     vtag double precision
 );
 
+CREATE TABLE public.api_batch (
+    batch_id text NOT NULL,
+    tenant_id text NOT NULL,
+    input_file_id text NOT NULL,
+    endpoint text NOT NULL,
+    completion_window text NOT NULL,
+    metadata jsonb,
+    model text,
+    status text NOT NULL,
+    total integer NOT NULL,
+    completed integer DEFAULT 0 NOT NULL,
+    failed integer DEFAULT 0 NOT NULL,
+    output_file_id text,
+    error_file_id text,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    in_progress_at timestamp with time zone,
+    expires_at timestamp with time zone NOT NULL,
+    finalizing_at timestamp with time zone,
+    completed_at timestamp with time zone,
+    failed_at timestamp with time zone,
+    expired_at timestamp with time zone,
+    cancelling_at timestamp with time zone,
+    cancelled_at timestamp with time zone,
+    idempotency_key text
+);
+
+CREATE TABLE public.api_file (
+    file_id text NOT NULL,
+    tenant_id text NOT NULL,
+    filename text NOT NULL,
+    purpose text NOT NULL,
+    bytes bigint DEFAULT 0 NOT NULL,
+    lines bigint DEFAULT 0 NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    expires_at timestamp with time zone,
+    idempotency_key text
+);
+
+CREATE TABLE public.api_file_chunk (
+    file_id text NOT NULL,
+    seq integer NOT NULL,
+    data bytea NOT NULL
+);
+ALTER TABLE ONLY public.api_file_chunk ALTER COLUMN data SET STORAGE EXTERNAL;
+
+CREATE TABLE public.api_key (
+    key_id text NOT NULL,
+    tenant_id text NOT NULL,
+    name text,
+    key_hash bytea NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    revoked_at timestamp with time zone
+);
+
 CREATE TABLE public.jobrunner_schema_migrations (
     version integer NOT NULL,
     name text NOT NULL,
@@ -573,6 +627,27 @@ ALTER TABLE ONLY public.agent_work_queue_archive
 ALTER TABLE ONLY public.agent_work_queue
     ADD CONSTRAINT agent_work_queue_pkey PRIMARY KEY (id);
 
+ALTER TABLE ONLY public.api_batch
+    ADD CONSTRAINT api_batch_pkey PRIMARY KEY (batch_id);
+
+ALTER TABLE ONLY public.api_batch
+    ADD CONSTRAINT api_batch_tenant_id_idempotency_key_key UNIQUE (tenant_id, idempotency_key);
+
+ALTER TABLE ONLY public.api_file_chunk
+    ADD CONSTRAINT api_file_chunk_pkey PRIMARY KEY (file_id, seq);
+
+ALTER TABLE ONLY public.api_file
+    ADD CONSTRAINT api_file_pkey PRIMARY KEY (file_id);
+
+ALTER TABLE ONLY public.api_file
+    ADD CONSTRAINT api_file_tenant_id_idempotency_key_key UNIQUE (tenant_id, idempotency_key);
+
+ALTER TABLE ONLY public.api_key
+    ADD CONSTRAINT api_key_key_hash_key UNIQUE (key_hash);
+
+ALTER TABLE ONLY public.api_key
+    ADD CONSTRAINT api_key_pkey PRIMARY KEY (key_id);
+
 ALTER TABLE ONLY public.jobrunner_schema_migrations
     ADD CONSTRAINT jobrunner_schema_migrations_pkey PRIMARY KEY (version);
 
@@ -588,6 +663,14 @@ CREATE UNIQUE INDEX agent_work_queue_leased_uidx ON public.agent_work_queue USIN
 
 CREATE INDEX agent_work_queue_pool_pending_idx ON public.agent_work_queue USING btree (pool, vtag, id) WHERE (((status)::text = 'pending'::text) AND (pool IS NOT NULL));
 
+CREATE INDEX api_batch_by_tenant ON public.api_batch USING btree (tenant_id, created_at DESC, batch_id DESC);
+
+CREATE INDEX api_batch_open ON public.api_batch USING btree (expires_at) WHERE (status = ANY (ARRAY['in_progress'::text, 'finalizing'::text, 'cancelling'::text]));
+
+CREATE INDEX api_file_by_expiry ON public.api_file USING btree (expires_at) WHERE (expires_at IS NOT NULL);
+
+CREATE INDEX api_file_by_tenant ON public.api_file USING btree (tenant_id, created_at DESC, file_id DESC);
+
 CREATE TRIGGER agent_work_queue_key_delete AFTER DELETE ON public.agent_work_queue FOR EACH ROW EXECUTE FUNCTION public.jobrunner_task_key_delete();
 
 CREATE TRIGGER agent_work_queue_key_fixed BEFORE UPDATE OF batch_id, task_key ON public.agent_work_queue FOR EACH ROW WHEN (((old.batch_id IS DISTINCT FROM new.batch_id) OR (old.task_key IS DISTINCT FROM new.task_key))) EXECUTE FUNCTION public.jobrunner_task_key_fixed();
@@ -595,3 +678,6 @@ CREATE TRIGGER agent_work_queue_key_fixed BEFORE UPDATE OF batch_id, task_key ON
 CREATE TRIGGER agent_work_queue_key_insert BEFORE INSERT ON public.agent_work_queue FOR EACH ROW EXECUTE FUNCTION public.jobrunner_task_key_insert();
 
 CREATE TRIGGER agent_work_queue_key_truncate AFTER TRUNCATE ON public.agent_work_queue FOR EACH STATEMENT EXECUTE FUNCTION public.jobrunner_task_key_truncate();
+
+ALTER TABLE ONLY public.api_file_chunk
+    ADD CONSTRAINT api_file_chunk_file_id_fkey FOREIGN KEY (file_id) REFERENCES public.api_file(file_id) ON DELETE CASCADE;

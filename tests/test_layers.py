@@ -14,6 +14,7 @@ PACKAGE = REPO / "jobrunner"
 # Top to bottom. Packages on one line are side by side: neither may import the other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("jobrunner.cli", "jobrunner.operator"),
+    ("jobrunner.server",),  # `jobrunner serve` (a command of the cli) and its routes
     ("jobrunner.local",),
     ("jobrunner.worker",),
     ("jobrunner.features",),

@@ -14,6 +14,7 @@ import psycopg
 import typer
 from rich.table import Table
 
+from jobrunner.cli.batch_api import register as register_batch_api
 from jobrunner.cli.flowcontrol import register as register_flow_control
 from jobrunner.cli.options import BatchOpt, DsnOpt, _fail, _queue, app, dead_app, out
 from jobrunner.cli.render import print_result_preview, top_errors_table
@@ -28,6 +29,7 @@ from jobrunner.store.migrate import migrate as apply_migrations
 app.add_typer(dead_app, name="dead")
 register_flow_control(app)  # limit, usage, budget (jobrunner/cli/flowcontrol.py)
 register_pools(app)  # pool set-weight, pool show (jobrunner/cli/workerpools.py)
+register_batch_api(app)  # serve, api-key (jobrunner/cli/batch_api.py)
 
 
 class InputFormat(StrEnum):

@@ -32,6 +32,8 @@ from typing import Any
 
 import httpx
 
+from jobrunner.features import model_routes
+from jobrunner.features.model_routes import Route
 from jobrunner.model.errors import BadInput, PermanentError, RateLimited
 from jobrunner.model.validation import (
     MAX_KEY_CHARS,
@@ -141,10 +143,26 @@ def _client(endpoint: Endpoint) -> httpx.Client:
     return client
 
 
+def _routed(body: dict[str, Any]) -> tuple[Endpoint, Route | None]:
+    """The endpoint for the body's model from the routing table (JOBRUNNER_MODEL_ROUTES,
+    jobrunner/features/model_routes.py) if one is configured, else from the environment."""
+    routes = model_routes.load()
+    if routes is None:
+        return Endpoint.from_env(), None
+    route = routes.get(body.get("model"))  # type: ignore[arg-type]
+    if route is None:
+        raise PermanentError(f"model {body.get('model')!r} is not in the routing table")
+    default = Endpoint.from_env()
+    return Endpoint(base_url=route.base_url,
+                    api_key=os.environ.get(route.api_key_env) if route.api_key_env else None,
+                    model=route.upstream_model, timeout=route.timeout or default.timeout,
+                    rate_limit=route.limit), route
+
+
 def handle(task: Task) -> Any:
     """Send the task's request; return the response body (the task's result)."""
-    endpoint = Endpoint.from_env()
     body = dict(task.payload["body"])
+    endpoint, route = _routed(body)
     if endpoint.model:
         body["model"] = endpoint.model
     task.check_lease()
@@ -156,7 +174,7 @@ def handle(task: Task) -> Any:
         except ValueError:
             raise OpenAIServerError(f"HTTP {response.status_code}: the response body is "
                                     "not JSON") from None
-        _report_usage(task, result)
+        _report_usage(task, result, route)
         return result
     status = response.status_code
     code, message = _api_error(response)
@@ -214,7 +232,7 @@ def _retry_after(response: httpx.Response) -> float | None:
     return max(0.0, (when - now).total_seconds())
 
 
-def _report_usage(task: Task, body: Any) -> None:
+def _report_usage(task: Task, body: Any, route: Route | None = None) -> None:
     """Tell flow control what the call used, when the task can take it."""
     report = getattr(task, "report_usage", None)
     usage = body.get("usage") if isinstance(body, dict) else None
@@ -227,6 +245,8 @@ def _report_usage(task: Task, body: Any) -> None:
     counts = {k: v for k, v in counts.items() if isinstance(v, int) and not isinstance(v, bool)}
     if "tokens" not in counts and counts:
         counts["tokens"] = sum(counts.values())
+    if counts and route is not None:
+        counts["cost"] = route.cost(counts.get("input_tokens", 0), counts.get("output_tokens", 0))
     if counts:
         report(**counts)
 

@@ -50,7 +50,8 @@ def migrations() -> tuple[Migration, ...]:
 QUERY_FILES = ("queries/tasks.sql", "queries/batches.sql", "queries/effects.sql",
                "queries/results.sql", "queries/flowcontrol.sql", "queries/reduce.sql",
                "queries/workerpools.sql", "queries/generators.sql", "queries/session.sql",
-               "queries/migrations.sql")
+               "queries/migrations.sql",
+               "queries/batch_api.sql")
 _DIRECTIVE = re.compile(r"^--\s*(name|fragment|include):\s*(\w+)\s*$")
 
 

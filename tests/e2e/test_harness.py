@@ -307,7 +307,7 @@ def test_pod_env_and_in_cluster_credentials(k8s, namespace):
     # login, from the service account and $KUBERNETES_SERVICE_HOST/PORT.
     script = textwrap.dedent("""\
         import json, os
-        from controller import kube
+        from jobrunner.operator import kube
         pods = [p["metadata"]["name"] for p in kube.list_pods(os.environ["NS"], "app=envtest")]
         try:
             kube.request("GET", f"/api/v1/namespaces/{os.environ['NS']}/secrets")

@@ -1,0 +1,95 @@
+"""`jobrunner serve` (the OpenAI Files and Batches API, docs/batch-api.md) and
+`jobrunner api-key create|list|revoke`. Registered on the main app by `register(app)`."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from jobrunner.cli.options import DsnOpt, _fail, err, out
+from jobrunner.model.validation import check_identifier
+from jobrunner.store import batch_api as store
+from jobrunner.store import db
+
+key_app = typer.Typer(no_args_is_help=True,
+                      help="Keys of the Batch API (`jobrunner serve`): one tenant each.")
+
+
+@key_app.command("create")
+def create_key(
+    tenant: Annotated[str, typer.Option("--tenant", help="The tenant the key acts for.")],
+    name: Annotated[str | None, typer.Option("--name", help="A label for the key.")] = None,
+    dsn: DsnOpt = None,
+) -> None:
+    """Create a key; it is printed once (only its hash is stored)."""
+    check_identifier(tenant, "tenant id")
+    with db.connect(db.resolve_dsn(dsn), purpose="jobrunner-cli") as conn:
+        row, key = store.create_key(conn, tenant, name)
+    err.print(f"key {row['key_id']} for tenant {tenant}: store it now, it is not shown again",
+              highlight=False)
+    print(key)
+
+
+@key_app.command("list")
+def list_keys(
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's.")] = None,
+    dsn: DsnOpt = None,
+) -> None:
+    """Keys (id, tenant, name, created, revoked), never the keys themselves."""
+    with db.connect(db.resolve_dsn(dsn), purpose="jobrunner-cli") as conn:
+        rows = store.list_keys(conn, tenant)
+    for r in rows:
+        print(json.dumps({k: (v.isoformat() if hasattr(v, "isoformat") else v)
+                          for k, v in r.items()}))
+
+
+@key_app.command("revoke")
+def revoke_key(
+    key_id: Annotated[str, typer.Argument(help="The key's id (printed by create and list).")],
+    dsn: DsnOpt = None,
+) -> None:
+    """Revoke a key: its next request gets 401."""
+    with db.connect(db.resolve_dsn(dsn), purpose="jobrunner-cli") as conn:
+        if not store.revoke_key(conn, key_id):
+            _fail(f"no key {key_id!r}", 1)
+    out.print(f"key {key_id} revoked", highlight=False)
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
+    pool: Annotated[str, typer.Option(help="Worker pool that runs the API's batches.")] =
+        "batch-api",
+    routes: Annotated[str | None, typer.Option(
+        "--routes", help="Model routing table (YAML or JSON; default "
+        "$JOBRUNNER_MODEL_ROUTES). Without one, any model is accepted.")] = None,
+    max_file_bytes: Annotated[int, typer.Option(min=1)] = 200 * 1024 * 1024,
+    max_file_lines: Annotated[int, typer.Option(min=1)] = 50_000,
+    max_attempts: Annotated[int, typer.Option(min=1, max=1000)] = 5,
+    output_retention_days: Annotated[float, typer.Option(min=0.0001)] = 30,
+    min_window_seconds: Annotated[int, typer.Option(
+        min=1, help="Shortest completion_window accepted (24h is OpenAI's only one).")] = 60,
+    max_window_seconds: Annotated[int, typer.Option(min=1)] = 7 * 86400,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
+    reuse_port: Annotated[bool, typer.Option(
+        "--reuse-port", help="SO_REUSEPORT: several replicas on one host and port.")] = False,
+    dsn: DsnOpt = None,
+) -> None:
+    """The OpenAI Files and Batches API over HTTP (docs/batch-api.md)."""
+    from jobrunner.server.context import Settings
+    from jobrunner.server.main import serve as run
+
+    settings = Settings(dsn=db.resolve_dsn(dsn), pool=pool, routes_file=routes,
+                        max_file_bytes=max_file_bytes, max_file_lines=max_file_lines,
+                        max_attempts=max_attempts, min_window_seconds=min_window_seconds,
+                        max_window_seconds=max_window_seconds,
+                        output_retention_seconds=output_retention_days * 86400)
+    settings.routes()  # a bad routing table stops here, not at the first batch
+    run(settings, host, port, reuse_port=reuse_port, log_level=log_level)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(key_app, name="api-key")
+    app.command("serve")(serve)
