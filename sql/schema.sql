@@ -42,8 +42,9 @@ CREATE FUNCTION public.jobrunner_limit_admit(p_ids bigint[]) RETURNS SETOF publi
 BEGIN
     RETURN QUERY
     WITH wanted AS MATERIALIZED (
-        -- (candidate, limit it names, its token estimate)
-        SELECT q.id, w.name, coalesce(q.tokens, 0) AS tokens
+        -- (candidate, its rank in the claim's order, limit it names, its token estimate)
+        SELECT q.id, array_position(p_ids, q.id) AS pos, w.name,
+               coalesce(q.tokens, 0) AS tokens
         FROM agent_work_queue q, unnest(q.limits) AS w(name)
         WHERE q.id = ANY(p_ids)
     ),
@@ -100,8 +101,8 @@ BEGIN
            k.lane IS NULL AND f.name IS NOT NULL,
            c.t
     FROM (SELECT x.id, x.name, x.tokens,
-                 row_number() OVER (PARTITION BY x.name ORDER BY x.id) AS rank,
-                 coalesce(sum(x.tokens) OVER (PARTITION BY x.name ORDER BY x.id
+                 row_number() OVER (PARTITION BY x.name ORDER BY x.pos) AS rank,
+                 coalesce(sum(x.tokens) OVER (PARTITION BY x.name ORDER BY x.pos
                           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
                      AS tokens_before
           FROM wanted x) w
@@ -160,9 +161,16 @@ CREATE FUNCTION public.jobrunner_pool_now(p_pool text) RETURNS double precision
     LANGUAGE sql
     AS $$
     SELECT coalesce(
-        (SELECT q.vtag FROM agent_work_queue q
-         WHERE q.pool = p_pool AND q.status = 'pending' AND q.run_after <= clock_timestamp()
-         ORDER BY q.vtag, q.id LIMIT 1),
+        greatest(
+            (SELECT q.vtag FROM agent_work_queue q
+             WHERE q.pool = p_pool AND q.status = 'pending' AND q.run_after <= clock_timestamp()
+             ORDER BY q.vtag, q.id LIMIT 1),
+            (SELECT max(l.vtag)
+             FROM (SELECT DISTINCT b.tenant_id FROM agent_batch b WHERE b.pool = p_pool) t
+             CROSS JOIN LATERAL (
+                 SELECT max(q.vtag) AS vtag FROM agent_work_queue q
+                 WHERE q.tenant_id = t.tenant_id AND q.status = 'leased'
+                   AND q.pool = p_pool) l)),
         (SELECT p.vclock FROM agent_pool p WHERE p.pool = p_pool),
         0)
 $$;

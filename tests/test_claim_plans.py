@@ -40,7 +40,8 @@ def _stale_statistics(conn: psycopg.Connection, shards: int) -> None:
 
 @pytest.mark.parametrize("shards", [1000, 0])
 @pytest.mark.parametrize("name", ["task_ack_and_claim", "task_ack_and_claim_limited",
-                                  "task_ack_and_claim_pool"])
+                                  "task_ack_and_claim_pool",
+                                  "task_ack_and_claim_pool_limited"])
 def test_claim_probes_the_leased_index(dsn: str, name: str, shards: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         _stale_statistics(conn, shards)

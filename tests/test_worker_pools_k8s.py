@@ -151,9 +151,6 @@ def test_batchrun_pool_and_priority():
 @pytest.mark.parametrize(("spec", "message"), [
     ({"priority": 4}, "spec.priority must be between -3 and 3"),
     ({"pool": "Not_A_Name"}, "spec.pool must be the name of a WorkerPool"),
-    ({"limits": ["openai"]}, "pools do not take batches under flow control"),
-    ({"tokens": 10}, "pools do not take batches under flow control"),
-    ({"budget": {"tokens": 10}}, "pools do not take batches under flow control"),
     ({"handler": None, "command": ["cat"]}, "spec.command is not served by pools"),
     ({"suspend": True}, "suspend does not apply"),
     ({"template": {"image": "x"}}, "a run in a pool takes none"),
@@ -169,6 +166,13 @@ def test_batchrun_in_a_pool_refuses_what_a_pool_cannot_serve(spec, message):
             obj["spec"][key] = value
     with pytest.raises(BadInput, match=message):
         parse_batchrun(obj)
+
+
+def test_batchrun_in_a_pool_takes_limits_tokens_and_a_budget():
+    # (the pool's claim applies them: docs/pools.md, "Flow control")
+    run = run_with(limits=["openai"], tokens=10, budget={"tokens": 1000, "cost": "2.5"})
+    assert (run.pool, run.limits, run.tokens, run.budget_tokens, str(run.budget_cost)) == (
+        "graders", ("openai",), 10, 1000, "2.5")
 
 
 def test_priority_without_a_pool_is_refused():

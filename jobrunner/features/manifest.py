@@ -28,7 +28,6 @@ from jobrunner.model.validation import (
     check_limit_names,
     encode_payload,
 )
-from jobrunner.model.workerpools import refuse_flow_control
 
 API_VERSION = "jobrunner.dev/v1alpha1"
 KIND = "BatchRun"
@@ -277,7 +276,7 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest", *,
         generator = replace(generator, limits=limits, tokens=tokens)
 
     pool, priority = _pool(spec, where, generator=generator, command=command,
-                           suspend=suspend, flow=(limits, tokens, budget_tokens, budget_cost))
+                           suspend=suspend)
     return BatchRunSpec(
         name=name, namespace=meta.get("namespace") or "default", tenant=tenant,
         batch_id=batch_id, tasks=tasks,
@@ -297,8 +296,8 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest", *,
 _POOL_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 
-def _pool(spec: Mapping[str, Any], where: str, *, generator: Any, command: Any, suspend: bool,
-          flow: tuple[Any, ...]) -> tuple[str | None, int]:
+def _pool(spec: Mapping[str, Any], where: str, *, generator: Any, command: Any, suspend: bool
+          ) -> tuple[str | None, int]:
     """spec.pool and spec.priority, with the CRD's rules: what a pool cannot serve yet is
     refused here rather than enqueued where no worker would ever claim it."""
     pool = spec.get("pool")
@@ -311,9 +310,6 @@ def _pool(spec: Mapping[str, Any], where: str, *, generator: Any, command: Any, 
     if not isinstance(pool, str) or len(pool) > 253 or not _POOL_NAME.match(pool):
         raise BadInput(f"{where}: spec.pool must be the name of a WorkerPool (a DNS subdomain), "
                        f"got {pool!r}")
-    refuse_flow_control(f"{where}: spec.pool",
-                        "spec.limits, spec.tokens, spec.budget"
-                        if any(v is not None for v in flow) else None)
     if generator is not None:
         raise BadInput(f"{where}: spec.pool: a generator source cannot run in a pool yet; "
                        "docs/pools.md")

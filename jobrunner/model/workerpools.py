@@ -63,15 +63,6 @@ def check_batch_fits(batch_id: str, tenant_id: str, pool: str | None, priority: 
                        "(set at its first enqueue)")
 
 
-def refuse_flow_control(subject: str, what: str | None) -> None:
-    """The one rule that keeps flow control out of worker pools (their claim does not
-    check limits or budgets): `what` names the flow control a pool batch asked for, and
-    is refused; None passes. Every entry point (enqueue, a BatchRun, a budget) asks here."""
-    if what:
-        raise BadInput(f"{subject}: pools do not take batches under flow control yet "
-                       f"({what}); docs/pools.md")
-
-
 def check_batch_handler(handler: Any, pool: str | None) -> str:
     if pool is None:
         raise BadInput("a batch's handler is recorded for pool batches only: give a pool too "

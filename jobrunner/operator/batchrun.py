@@ -335,8 +335,9 @@ def _enqueue(queue: Any, run: BatchRunSpec, batch_id: str, tasks: Any,
         reduce_step.attach(queue.conn, batch_id, run.reduce)
         total = sum(queue.counts(batch_id).values())
         return f"batch {batch_id}: {total} task(s) enqueued externally{into}{reduce}"
-    options = ({"pool": pool, "priority": run.priority, "handler": run.handler} if pool
-               else flowcontrol.enqueue_options(run))
+    options = flowcontrol.enqueue_options(run)
+    if pool is not None:
+        options |= {"pool": pool, "priority": run.priority, "handler": run.handler}
     result = queue.enqueue(batch_id, run.tenant, tasks, max_attempts=run.max_attempts,
                            reduce=run.reduce.as_json() if run.reduce else None, **options)
     return (f"batch {batch_id}: {result.new} task(s) enqueued{into}"

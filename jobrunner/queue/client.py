@@ -35,9 +35,10 @@ from jobrunner.store import tasks as task_store
 from jobrunner.store import workerpools as pools
 from jobrunner.store.session import Session, Statement, Step
 
-# The claim statement of each kind of target (docs/flow-control.md, docs/pools.md); a
-# pool's claim has no flow control (jobrunner/store/workerpools.py).
+# The claim statement of each kind of target (docs/flow-control.md, docs/pools.md): a
+# batch or a pool, each with or without flow control.
 _CLAIM_POOL = task_store.ACK_AND_CLAIM_POOL
+_CLAIM_POOL_LIMITED = task_store.ACK_AND_CLAIM_POOL_LIMITED
 _CLAIM_LIMITED = task_store.ACK_AND_CLAIM_LIMITED
 _CLAIM = task_store.ACK_AND_CLAIM
 
@@ -80,6 +81,9 @@ class Queue:
         # when the others were last checked (batch_flow_control, at most once a second).
         self._flow_batches: set[str] = set()
         self._flow_checked: dict[str, float] = {}
+        # Per pool: whether it has pending tasks under flow control, and when that was
+        # read (pool_flow_control, at most once a second; it may go back to False).
+        self._flow_pools: dict[str, tuple[bool, float]] = {}
 
     def _tx(self) -> psycopg.Transaction:
         return self.session.transaction()
@@ -139,10 +143,6 @@ class Queue:
                         if task.tokens is not None else default_tokens)
             rows.append((key, shard, payload, attempts, list(own) if own else default_limits,
                          estimate))
-        if pool is not None:
-            name, where = next(iter(named.items()), (None, None))
-            pool_rules.refuse_flow_control(f"batch {batch_id!r} goes to pool {pool!r}",
-                                           name and f"{where} names limit {name!r}")
         with self._tx():
             batch = (batches.ensure(self.conn, batch_id, tenant_id) if pool is None else
                      pools.ensure_batch(self.conn, batch_id, tenant_id, pool, priority))
@@ -298,7 +298,7 @@ class Queue:
             self.limit_wait = None
         statement: Statement
         if claiming and pool is not None:
-            statement = _CLAIM_POOL
+            statement = _CLAIM_POOL_LIMITED if self._pool_flow_controlled(pool) else _CLAIM_POOL
         elif claiming and self._flow_controlled(batch_id):
             statement = _CLAIM_LIMITED
         else:
@@ -309,7 +309,7 @@ class Queue:
                 pool if claiming else None)))
         kept, busy, leases = self._run_completion(failures, steps)
         if claiming and not leases and self.limit_wait is None \
-                and statement is _CLAIM_LIMITED:
+                and statement in (_CLAIM_LIMITED, _CLAIM_POOL_LIMITED):
             self.limit_wait = flow.next_room(self.session)
         if claiming and len(leases) < limit and any(
                 o.lease.shard_key and o.lease.id in kept for o in successes):
@@ -343,6 +343,21 @@ class Queue:
         self._flow_checked[batch_id] = now
         if controlled:
             self._flow_batches.add(batch_id)
+        return controlled
+
+    def _pool_flow_controlled(self, pool: str) -> bool:
+        """Whether the pool's claims must use task_ack_and_claim_pool_limited: it has a
+        pending task of a batch under flow control. Read on the first claim and then at
+        most once a second, both ways: a batch with limits or a budget enqueued into the
+        pool is taken into account within a second (until then the plain claim skips
+        tasks that name limits and checks no budget, as for a batch), and once no such
+        batch has pending tasks the pool's claims stop paying for limits."""
+        now = time.monotonic()
+        known = self._flow_pools.get(pool)
+        if known is not None and now - known[1] < self.FLOW_CHECK_EVERY:
+            return known[0]
+        controlled = pools.flow_controlled(self.session, pool)
+        self._flow_pools[pool] = (controlled, now)
         return controlled
 
     def forget_scan_position(self, target: str | tuple[str, str]) -> None:

@@ -47,8 +47,6 @@ from jobrunner.model.usage import (
     check_cost,
 )
 from jobrunner.model.validation import check_identifier, check_tokens
-from jobrunner.model.workerpools import refuse_flow_control
-from jobrunner.store import workerpools as pools
 from jobrunner.store.session import Mode, Session, Statement
 from jobrunner.store.sqlfiles import query
 
@@ -185,11 +183,6 @@ def set_budget(conn: psycopg.Connection, batch_id: str, *, tokens: int | None = 
     budget_cost = check_cost(cost, "budget cost") if cost is not None else None
     with conn.transaction():
         cur = conn.cursor()
-        pool = pools.batch_pool(conn, batch_id)
-        if pool is not None:
-            refuse_flow_control(f"batch {batch_id!r} is in pool {pool!r}",
-                                "a budget" if tokens is not None or budget_cost is not None
-                                else None)
         if tokens is not None or budget_cost is not None:
             cur.execute(query("budget_set"), {"batch_id": batch_id, "budget_tokens": tokens,
                                               "budget_cost": budget_cost})

@@ -19,6 +19,7 @@ FROM_STAGE = Statement("task_insert_staged")
 ACK_AND_CLAIM = Statement("task_ack_and_claim", Mode.PREPARED)
 ACK_AND_CLAIM_LIMITED = Statement("task_ack_and_claim_limited", Mode.PREPARED)
 ACK_AND_CLAIM_POOL = Statement("task_ack_and_claim_pool", Mode.PREPARED)
+ACK_AND_CLAIM_POOL_LIMITED = Statement("task_ack_and_claim_pool_limited", Mode.PREPARED)
 # Sent in the pipeline of the ack and claim they go with (one transaction, one round trip).
 FAIL = Statement("task_fail", Mode.ROUND_TRIP)
 THROTTLE = Statement("task_throttle", Mode.ROUND_TRIP)

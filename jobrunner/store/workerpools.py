@@ -12,8 +12,10 @@ reduce, hold unchanged: a pool claim is task_ack_and_claim with another candidat
   Shares hold over claims, whatever the number of workers: the order is a tag on each
   task, laid at enqueue (start-time fair queuing), and claims take tags in order.
 - A tenant that was idle starts at the pool's virtual time now: it banks no credit.
-- Pools take no batch under flow control: tasks that name limits, batch limits, and
-  budgets on a pool's batch are refused with a clear error (a later step).
+- Flow control: a pool batch's tasks may name limits and the batch may have a budget;
+  a pool with a pending task of such a batch is claimed with
+  task_ack_and_claim_pool_limited (`flow_controlled`), which takes the next tasks in
+  fair order that their limits and budgets allow (docs/pools.md, "Flow control").
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ from jobrunner.model.workerpools import (
     check_pool,
     check_weight,
 )
+from jobrunner.store.session import Mode, Session, Statement
 from jobrunner.store.sqlfiles import query
+
+# Read by a pool worker between claims: one statement, one round trip.
+FLOW_CONTROL = Statement("pool_flow_control", Mode.ROUND_TRIP)
 
 if TYPE_CHECKING:
     pass
@@ -107,6 +113,13 @@ def reduce_due(conn: psycopg.Connection, pool: str) -> list[str]:
                                                     {"pool": pool}).fetchall()]
 
 
+
+
+def flow_controlled(session: Session, pool: str) -> bool:
+    """Whether the pool has a pending task of a batch under flow control (its claims
+    must use task_ack_and_claim_pool_limited)."""
+    (cur,) = session.round_trip([(FLOW_CONTROL, {"pool": pool})])
+    return bool(cur.fetchone()[0])
 
 
 def pool_has_work(conn: psycopg.Connection, pool: str) -> bool:

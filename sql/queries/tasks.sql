@@ -314,8 +314,8 @@ admit AS MATERIALIZED (
     -- Lock a lane per limit, read the clock, admit candidates (sql/schema.sql: in a
     -- function so that the lanes, which other claims keep changing, are read with a
     -- fresh snapshot and never rechecked by this statement's EvalPlanQual).
-    SELECT * FROM jobrunner_limit_admit(
-        ARRAY(SELECT id FROM candidates WHERE limits IS NOT NULL))
+    SELECT * FROM jobrunner_limit_admit(  -- (ranked in id order under each limit)
+        ARRAY(SELECT id FROM candidates WHERE limits IS NOT NULL ORDER BY id))
 ),
 limit_ok AS (
     SELECT id FROM candidates WHERE limits IS NULL
@@ -618,6 +618,9 @@ SELECT id FROM deleted;
 -- order, whatever their batch: the claim index (pool, vtag, id) holds pending pool tasks
 -- only. The scan position is (vtag, id) after the worker's last claim, reset at least
 -- every second as in ack_and_claim. Rows come back as ack_and_claim's plus the tag.
+-- Like ack_and_claim it never claims a task that names a limit and checks no budget: a
+-- pool with a pending task of a batch under flow control is claimed with
+-- task_ack_and_claim_pool_limited (below) instead, so a pool without one pays nothing.
 -- include: task_ack
 candidates AS (
     SELECT q.id, q.tenant_id, coalesce(q.shard_key, '') AS shard_key
@@ -631,7 +634,7 @@ candidates AS (
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
             AND l.status = 'leased'
           OFFSET 0)  -- one index probe per candidate, never a join: see "Shard pre-filter"
-      AND q.limits IS NULL  -- (never in a pool: refused at enqueue)
+      AND q.limits IS NULL  -- (tasks with limits: task_ack_and_claim_pool_limited)
     ORDER BY q.vtag, q.id
     LIMIT %(limit)s
     FOR UPDATE OF q SKIP LOCKED
@@ -677,6 +680,132 @@ UNION ALL
 SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts,
        max_attempts, locked_until, run_after, vtag
 FROM claimed;
+
+-- name: task_ack_and_claim_pool_limited
+-- task_ack_and_claim_pool for a pool under flow control: also admits by limits and budgets.
+--
+-- The pool claim (above) with task_ack_and_claim_limited's limits and budget (see it for
+-- the lanes, the admission and the charge, all unchanged), for a pool that has a pending
+-- task of a batch under flow control (pool_flow_control, read by the worker once a
+-- second): a pool without one keeps the plain statement and pays nothing for limits.
+--
+-- The claim takes the next tasks in (vtag, id) order that their limits and budgets
+-- allow, so fair share holds among the tasks that may run, and a stream whose limit is
+-- full or blocked (a 429), or whose batch spent its budget, does not hold up the others:
+-- - the candidate scan leaves out tasks whose limit is visibly full (blocked, every
+--   lane's next request or token not due, or every lane's slots taken) and tasks of a
+--   batch whose budget is spent, so they do not fill the claim's LIMIT; only tasks that
+--   may well be admitted take a place in it. (The single batch's claim does not look at
+--   slots here: its tasks usually all name the same limits, so there is no one else to
+--   let through. In a pool a concurrency limit full for one tenant must not leave a
+--   claim of batch 1 with that tenant's next task as its only candidate, to be refused.)
+-- - jobrunner_limit_admit ranks the candidates under each limit in the order given, here
+--   (vtag, id): when a limit has room for k of them, the k earliest in fair order get it.
+-- Budgets: one index probe of agent_batch_usage per candidate (its batch's row; none: no
+-- budget), a pre-filter as in task_ack_and_claim_limited (tasks in flight when the
+-- budget is reached finish, so the overshoot is at most what was in flight).
+-- The charge runs in this statement, as in task_ack_and_claim_limited: one round trip.
+-- include: task_ack
+candidates AS (
+    SELECT q.id, q.tenant_id, coalesce(q.shard_key, '') AS shard_key, q.limits, q.vtag
+    FROM agent_work_queue q
+    WHERE q.pool = %(pool)s
+      AND q.status = 'pending'
+      AND q.run_after <= now()
+      AND (q.vtag, q.id) > (%(after_vtag)s::float8, %(after_id)s::bigint)
+      AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
+          SELECT 1 FROM agent_work_queue l
+          WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
+            AND l.status = 'leased'
+          OFFSET 0)  -- one index probe per candidate, never a join: see "Shard pre-filter"
+      -- Limits that exist and are not visibly full; the check that counts is
+      -- jobrunner_limit_admit's, under the locks (see task_ack_and_claim_limited, and
+      -- above for the slots). One array for the whole statement.
+      AND (q.limits IS NULL OR q.limits <@ ARRAY(
+          SELECT l.name FROM agent_limit l
+          WHERE (l.blocked_until IS NULL OR l.blocked_until <= clock_timestamp())
+            AND EXISTS (
+                SELECT 1 FROM agent_limit_lane ln
+                WHERE ln.limit_name = l.name
+                  AND (ln.requests IS NULL OR ln.request_tat <= clock_timestamp())
+                  AND (ln.tokens IS NULL OR ln.token_tat <= clock_timestamp())
+                  AND (ln.max_concurrent IS NULL OR ln.max_concurrent > (
+                      SELECT count(*) FROM agent_limit_lease s
+                      WHERE s.limit_name = ln.limit_name AND s.lane = ln.lane)))))
+      AND NOT EXISTS (  -- (the task's batch has spent its budget)
+          SELECT 1 FROM agent_batch_usage b
+          WHERE b.batch_id = q.batch_id
+            AND (b.tokens >= b.budget_tokens OR b.cost >= b.budget_cost)
+          OFFSET 0)  -- one probe per candidate, as the shard pre-filter
+    ORDER BY q.vtag, q.id
+    LIMIT %(limit)s
+    FOR UPDATE OF q SKIP LOCKED
+),
+admit AS MATERIALIZED (
+    -- (sql/schema.sql; ranked in fair order under each limit, see above)
+    SELECT * FROM jobrunner_limit_admit(
+        ARRAY(SELECT id FROM candidates WHERE limits IS NOT NULL ORDER BY vtag, id))
+),
+limit_ok AS (
+    SELECT id FROM candidates WHERE limits IS NULL
+    UNION ALL
+    SELECT task_id FROM admit GROUP BY task_id HAVING bool_and(ok)
+),
+one_per_shard AS (
+    SELECT DISTINCT ON (tenant_id, shard_key) id, tenant_id, shard_key
+    FROM candidates
+    WHERE shard_key <> '' AND id = ANY(ARRAY(SELECT id FROM limit_ok))
+    ORDER BY tenant_id, shard_key, vtag, id
+),
+shard_leases AS (
+    -- the tasks whose shard this claim may lease (sql/schema.sql; a volatile function,
+    -- so this CTE is evaluated once, and each call checks in a snapshot of its own)
+    SELECT id AS task_id FROM one_per_shard WHERE jobrunner_shard_take(tenant_id, shard_key)
+),
+chosen AS (
+    SELECT id FROM candidates WHERE shard_key = '' AND id = ANY(ARRAY(SELECT id FROM limit_ok))
+    UNION ALL
+    SELECT task_id FROM shard_leases
+),
+charged AS MATERIALIZED (
+    -- Run by the first claimed task under a limit (below): it exists only then.
+    SELECT jobrunner_limit_charge(ARRAY(SELECT ROW(a.*)::jobrunner_admission
+                                        FROM admit a WHERE a.ok),
+                                  ARRAY(SELECT id FROM chosen)) AS t
+),
+claimed AS (
+    UPDATE agent_work_queue q
+    SET status = 'leased',
+        lease_owner = %(worker_id)s,
+        locked_until = now() + make_interval(secs => %(visibility_timeout)s),
+        attempts = q.attempts + 1,
+        -- a task under limits: the database time its limits admitted it (what they count)
+        -- (and evaluating it charges the lanes: `charged`)
+        updated_at = CASE WHEN q.limits IS NULL THEN now()
+                          ELSE (SELECT t FROM charged) END
+    WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
+    RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
+              q.attempts, q.max_attempts, q.locked_until, q.run_after, q.vtag
+)
+SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
+       NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
+       NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until,
+       NULL::timestamptz AS run_after, NULL::float8 AS vtag
+FROM acked
+UNION ALL
+SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM agent_work_queue b
+WHERE b.id = ANY(%(ids)s::bigint[]) AND b.id <> ALL(ARRAY(SELECT id FROM lockable))
+  AND cardinality(%(ids)s::bigint[]) > (SELECT count(*) FROM lockable)  -- else not run
+UNION ALL
+SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts,
+       max_attempts, locked_until, run_after, vtag
+FROM claimed
+UNION ALL
+-- every lane of a limit was held by other claims: the worker should come back at once
+(SELECT 'wait', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+ FROM admit WHERE wait
+ LIMIT 1);
 
 -- name: task_end_missing_effects
 -- Before an ack: end the leases of successes whose recorded effects are missing.

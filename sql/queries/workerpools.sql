@@ -10,8 +10,8 @@
 -- Worker pools (jobrunner/store/workerpools.py, docs/pools.md, sql/schema.sql): a pool's workers
 -- claim across every open batch of the pool, in the order of the tasks' virtual-time
 -- tags laid at enqueue (fair share by tenant weight, batch priority as a weight
--- multiplier). Pools take no batch under flow control (refused at enqueue and by
--- budget_set's caller), so the pool claim carries no limit nodes.
+-- multiplier). A pool with a pending task of a batch under flow control (limits, a
+-- budget) is claimed with task_ack_and_claim_pool_limited (pool_flow_control says when).
 
 -- name: pool_batch_ensure
 -- batch_ensure for a batch enqueued into a worker pool (sets pool and priority).
@@ -48,8 +48,12 @@ counted AS (
     SELECT count(*) AS new, max(vtag) AS last FROM inserted
 ),
 batch_tasks AS (
+    -- (flow_control as in task_insert_staged: the pool's workers then claim with
+    -- task_ack_and_claim_pool_limited, see pool_flow_control)
     UPDATE agent_batch
-    SET tasks = tasks + (SELECT new FROM counted)
+    SET tasks = tasks + (SELECT new FROM counted),
+        flow_control = flow_control
+                       OR EXISTS (SELECT 1 FROM jobrunner_enqueue_stage WHERE limits IS NOT NULL)
     WHERE batch_id = %(batch_id)s
 ),
 stream AS (
@@ -80,6 +84,20 @@ SELECT jobrunner_pool_set_weight(%(pool)s, %(tenant_id)s, %(weight)s) AS streams
 -- name: pool_of_batch
 -- The pool and priority of a batch.
 SELECT pool FROM agent_batch WHERE batch_id = %(batch_id)s;
+
+-- name: pool_flow_control
+-- Whether a pool has a pending task of a batch under flow control (limits or a budget).
+--
+-- Read by a pool worker on its first claim and then once a second: while it is true the
+-- worker claims with task_ack_and_claim_pool_limited. Unlike a batch's flag it goes back
+-- to false once those batches have nothing pending (a pool lives on, its batches end), so
+-- the pool's claims stop paying for limits. A batch's row, then one probe of its pending
+-- tasks, for the pool's batches under flow control only.
+SELECT EXISTS (SELECT 1 FROM agent_batch b
+               WHERE b.pool = %(pool)s AND b.flow_control AND b.cancelled_at IS NULL
+                 AND EXISTS (SELECT 1 FROM agent_work_queue q
+                             WHERE q.batch_id = b.batch_id AND q.status = 'pending'))
+       AS flow;
 
 -- name: pool_open
 -- Whether a pool has pending tasks or leased tasks in its batches.
