@@ -68,6 +68,7 @@ M13 = "sql/migrations/0013_limit_functions.sql"
 M16 = "sql/migrations/0016_shard_lease_in_task_row.sql"
 M17 = "sql/migrations/0017_task_key_table.sql"
 M18 = "sql/migrations/0018_one_leased_index.sql"
+M20 = "sql/migrations/0020_pool_flow_control.sql"  # (redefines jobrunner_limit_admit)
 CLIENT = "jobrunner/queue/client.py"
 
 # The claim's lease deadline, as the three claim statements (batch, limited, pool) write it.
@@ -94,17 +95,17 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- claim -----------------------------------------------------------------------
     Mutant("claim-without-skip-locked",
            "a claim skips rows other claims hold locked, never waits on them",
-           (Edit(TASKS, CLAIM_LOCK, "    LIMIT %(limit)s\n    FOR UPDATE OF q\n", 3),),
+           (Edit(TASKS, CLAIM_LOCK, "    LIMIT %(limit)s\n    FOR UPDATE OF q\n", 4),),
            ("tests/test_queue.py", "-k", "skips_rows_another_transaction")),
     Mutant("claim-ignores-run-after",
            "a task waiting out its retry backoff is not claimed before run_after",
            (Edit(TASKS, "      AND q.status = 'pending'\n      AND q.run_after <= now()\n",
-                 "      AND q.status = 'pending'\n", 3),),
+                 "      AND q.status = 'pending'\n", 4),),
            ("tests/test_queue.py", "-k", "backs_off")),
     Mutant("worker-clock-for-locked-until",
            "time comes from the database (now()), never from a worker's clock",
            (Edit(TASKS, LEASE_DEADLINE,
-                 LEASE_DEADLINE.replace("now()", "%(worker_now)s::timestamptz"), 3),
+                 LEASE_DEADLINE.replace("now()", "%(worker_now)s::timestamptz"), 4),
             Edit(CLIENT, '"after_id": after[1] if after else 0,',
                  '"after_id": after[1] if after else 0, "worker_now": __import__("datetime")'
                  '.datetime.now(__import__("datetime").timezone.utc),', 2)),
@@ -112,7 +113,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- shard exclusion -------------------------------------------------------------
     Mutant("shard-exclusion-off",
            "tasks of one (tenant, shard) never hold live leases at the same time",
-           (Edit(TASKS, SHARD_PREFILTER, "", 3),
+           (Edit(TASKS, SHARD_PREFILTER, "", 4),
             Edit(M16, SHARD_CHECK, "    RETURN true;"),
             Edit(M18, LEASED_UNIQUE, LEASED_NOT_UNIQUE)),
            ("tests/test_queue.py", "-k", "shard_exclusion_sequential")),
@@ -281,20 +282,20 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("limit-lanes-not-locked",
            "limits are checked and charged in the claim statement itself, under the "
            "lane's lock (concurrent claims cannot both spend one slot)",
-           (Edit(M13, "            LIMIT 1\n            FOR NO KEY UPDATE OF x SKIP LOCKED) ln",
-                 "            LIMIT 1) ln"),),
+           tuple(Edit(m, "            LIMIT 1\n            FOR NO KEY UPDATE OF x SKIP LOCKED) ln",
+                      "            LIMIT 1) ln") for m in (M13, M20)),
            ("tests/test_limits.py", "-k", "request_limit_is_shared or max_concurrent_holds")),
     Mutant("limit-charged-after-the-claim",
            "limits are charged in the claim statement: a claim admitted is a claim counted "
            "(here the charge is left to a later statement that never comes)",
            (Edit(TASKS, "        updated_at = CASE WHEN q.limits IS NULL THEN now()\n"
                         "                          ELSE (SELECT t FROM charged) END\n",
-                 "        updated_at = now()\n"),),
+                 "        updated_at = now()\n", 2),),
            ("tests/test_limits.py", "-k", "request_limit_is_shared")),
     Mutant("max-concurrent-ignored",
            "never more than max_concurrent tasks of a limit hold a lease",
-           (Edit(M13, "AND (k.max_concurrent IS NULL OR v.live + w.rank <= k.max_concurrent)",
-                 "AND (k.max_concurrent IS NULL OR true)"),),
+           tuple(Edit(m, "AND (k.max_concurrent IS NULL OR v.live + w.rank <= k.max_concurrent)",
+                      "AND (k.max_concurrent IS NULL OR true)") for m in (M13, M20)),
            ("tests/test_limits.py", "-k", "max_concurrent_holds")),
     Mutant("token-usage-never-settled",
            "reported usage settles token estimates (at the report, not at the ack)",
