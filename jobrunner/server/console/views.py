@@ -79,8 +79,8 @@ def environment() -> jinja2.Environment:
 ENV = environment()
 
 
-def render(name: str, status: int = 200, **values: Any) -> HTMLResponse:
-    return HTMLResponse(ENV.get_template(name).render(**values), status_code=status,
+def render(name: str, status_code: int = 200, **values: Any) -> HTMLResponse:
+    return HTMLResponse(ENV.get_template(name).render(**values), status_code=status_code,
                         headers=HEADERS)
 
 
