@@ -304,3 +304,29 @@ def test_console_reads_are_index_scans_never_a_scan_of_the_task_table(big, name)
     print(f"--- {name}\n{plan}")
     assert "Seq Scan on agent_work_queue" not in plan, plan
     assert "Seq Scan on agent_task_key" not in plan, plan
+
+
+def test_an_admin_cancels_a_batch_and_exports_are_streamed(server, dead_batch):
+    enqueue(server.dsn, "acme-cancel", "acme",
+            [{"key": f"c{i}", "payload": {}} for i in range(7)])
+    with client(server, server.key("acme", "admin")) as c:
+        token = csrf_of(c.get("/console/batches/acme-cancel").text)
+        ask = c.post("/console/batches/acme-cancel/cancel", data={"csrf": token})
+        assert ask.status_code == 200 and 'data-count="7"' in ask.text
+        assert counts(server.dsn, "acme-cancel")["pending"] == 7
+        done = c.post("/console/batches/acme-cancel/cancel",
+                      data={"csrf": token, "confirmed": "1"}, follow_redirects=False)
+        assert done.status_code == 303
+        assert counts(server.dsn, "acme-cancel")["cancelled"] == 7
+        page = c.get("/console/batches/acme-cancel").text
+        assert "cancel_batch" in page and 'id="cancel-batch"' not in page
+
+        results = c.get("/console/batches/acme-b1/export.jsonl")
+        assert results.status_code == 200
+        assert results.headers["content-disposition"] == 'attachment; filename="acme-b1.jsonl"'
+        lines = [json.loads(line) for line in results.text.splitlines()]
+        assert [r["key"] for r in lines] == ["html"] + [f"ok-{i:02d}" for i in range(4)]
+        errors = c.get("/console/batches/acme-b1/export.csv", params={"errors": "1"}).text
+        assert errors.splitlines()[0] == "key,status,error,attempts,finished_at"
+        assert len(errors.splitlines()) == 6 and "doc-04,dead,ValueError" in errors
+        assert c.get("/console/batches/acme-b1/export.xml").status_code == 404

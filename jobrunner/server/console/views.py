@@ -72,7 +72,7 @@ def environment() -> jinja2.Environment:
                              undefined=jinja2.StrictUndefined)
     env.filters.update(duration=_duration, money=reads.money, urlpart=lambda v: quote(
         str(v), safe=""), num=lambda v: f"{int(v):,}" if v is not None else "-")
-    env.globals.update(prefix=PREFIX, states=STATES)
+    env.globals.update(prefix=PREFIX, states=STATES, count_cap=reads.COUNT_CAP)
     return env
 
 
