@@ -13,9 +13,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[local,test]'
 	touch $@
 
-# The main job: a demo batch on an embedded PostgreSQL, with a progress bar and a summary.
+# The main job: a demo batch on an embedded PostgreSQL, with a progress bar and a summary,
+# and the web console's address while it runs (docs/console.md).
 demo: $(VENV)/.installed
-	$(VENV)/bin/jobrunner run examples/summarise.yaml
+	$(VENV)/bin/jobrunner run examples/summarise.yaml --console
 
 # The whole test suite, with everything it needs (control-plane binaries built from Go
 # modules and cached by version, PgBouncer from Debian). The e2e tests (one real cluster,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ import pytest
 from jobrunner.server.console.filters import FilterError, TaskFilter, parse_payload
 from jobrunner.store.sqlfiles import query
 from tests.support.console import ConsoleServer, counts, enqueue, module_database, worker
-from tests.support.processes import cli, wait_for
+from tests.support.processes import REPO, child_env, cli, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -330,3 +332,41 @@ def test_an_admin_cancels_a_batch_and_exports_are_streamed(server, dead_batch):
         assert errors.splitlines()[0] == "key,status,error,attempts,finished_at"
         assert len(errors.splitlines()) == 6 and "doc-04,dead,ValueError" in errors
         assert c.get("/console/batches/acme-b1/export.xml").status_code == 404
+
+
+def test_jobrunner_run_console_prints_its_address_and_serves_while_the_run_lasts(
+        dsn, tmp_path):
+    manifest = tmp_path / "slow.yaml"
+    manifest.write_text("""
+apiVersion: jobrunner.dev/v1alpha1
+kind: BatchRun
+metadata: {name: slow}
+spec:
+  tenant: t
+  workers: 1
+  handler: tests.support.console_handlers:handle
+  shards:
+""" + "".join(f"    - {{key: s{i}, payload: {{sleep: 0.3}}}}\n" for i in range(12)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobrunner", "run", str(manifest), "--dsn", dsn, "--console"],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    try:
+        line = ""
+        while "console:" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the run ended without a console line"
+        url, key = re.search(r"console: (http://localhost:\d+/console/) \(log in with the "
+                             r"key (jr-\S+):", line).groups()
+        base = url.replace("localhost", "127.0.0.1")
+        page = httpx.get(base, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert page.status_code == 200 and "local/slow" in page.text
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with pytest.raises(httpx.HTTPError):  # (the console ended with the run)
+        httpx.get(base, timeout=2)
+    with psycopg.connect(dsn) as conn:  # (and its key was revoked)
+        assert conn.execute("SELECT revoked_at IS NOT NULL FROM api_key WHERE tenant_id = '*'"
+                            ).fetchone() == (True,)

@@ -4,8 +4,16 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
+import httpx
 import typer
 
 from jobrunner.cli.options import DsnOpt, _fail, err, out
@@ -100,6 +108,52 @@ def serve(
                         console=console)
     settings.routes()  # a bad routing table stops here, not at the first batch
     run(settings, host, port, reuse_port=reuse_port, log_level=log_level)
+
+
+@contextmanager
+def console_beside_run(dsn: str, port: int = 0) -> Iterator[None]:
+    """`jobrunner run --console`: `jobrunner serve` on the run's database for as long as
+    the run lasts, on 127.0.0.1, with an admin key of every tenant made for it and
+    revoked when the run ends. The DSN reaches the server in its environment, never on
+    its command line (where ps shows it)."""
+    with db.connect(dsn, purpose="jobrunner-cli") as conn:
+        row, key = store.create_key(conn, store.ALL_TENANTS, "jobrunner run --console",
+                                    "admin")
+    if not port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    env = {**os.environ, db.DSN_ENV: dsn}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobrunner", "serve", "--host", "127.0.0.1", "--port",
+         str(port), "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _fail(f"the console did not start on 127.0.0.1:{port}", 1)
+            time.sleep(0.1)
+        # (localhost, not 127.0.0.1: browsers keep the login's Secure cookie there)
+        out.print(f"console: http://localhost:{port}/console/ (log in with the key {key}: "
+                  "admin, every tenant, revoked when the run ends)", highlight=False,
+                  soft_wrap=True)
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        with db.connect(dsn, purpose="jobrunner-cli") as conn:
+            store.revoke_key(conn, row["key_id"])
 
 
 def register(app: typer.Typer) -> None:
