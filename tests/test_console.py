@@ -20,8 +20,15 @@ import pytest
 
 from jobrunner.server.console.filters import FilterError, TaskFilter, parse_payload
 from jobrunner.store.sqlfiles import query
-from tests.support.console import ConsoleServer, counts, enqueue, module_database, worker
-from tests.support.processes import REPO, child_env, cli, wait_for
+from tests.support.console import (
+    HANDLER,
+    ConsoleServer,
+    counts,
+    enqueue,
+    module_database,
+    worker,
+)
+from tests.support.processes import REPO, child_env, cli, start_worker, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -370,3 +377,27 @@ spec:
     with psycopg.connect(dsn) as conn:  # (and its key was revoked)
         assert conn.execute("SELECT revoked_at IS NOT NULL FROM api_key WHERE tenant_id = '*'"
                             ).fetchone() == (True,)
+
+
+def test_a_pool_batch_requeued_wakes_the_pool_workers_and_login_refuses_other_sites(
+        server, tmp_path):
+    flag = tmp_path / "fail"
+    flag.write_text("x")
+    lines = "".join(json.dumps({"key": f"p{i}", "payload": {"fail_while": str(flag)}}) + "\n"
+                    for i in range(3))
+    cli("enqueue", "-", "--batch", "acme-pool", "--tenant", "acme", "--pool", "console-p",
+        "--max-attempts", "1", dsn=server.dsn, input=lines, check=True)
+    # a pool worker that only LISTENs and polls rarely: the requeue's pool NOTIFY wakes it
+    start_worker(server.dsn, "", HANDLER, "--poll-interval", "30", pool="console-p")
+    wait_for(lambda: counts(server.dsn, "acme-pool")["dead"] == 3, what="3 dead pool tasks")
+    flag.unlink()
+    with client(server, server.key("acme", "admin")) as c:
+        token = csrf_of(c.get("/console/batches/acme-pool").text)
+        c.post("/console/batches/acme-pool/requeue",
+               data={"csrf": token, "confirmed": "1", "expected": "3"})
+        wait_for(lambda: counts(server.dsn, "acme-pool")["done"] == 3, timeout=15,
+                 what="the pool worker to run the requeued tasks")
+    with client(server, None) as anon:
+        refused = anon.post("/console/login", data={"key": "jr-x"},
+                            headers={"Origin": "https://evil.example"})
+        assert refused.status_code == 403

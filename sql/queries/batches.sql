@@ -30,7 +30,7 @@ WHERE batch_id = %(batch_id)s AND status = 'pending';
 
 -- name: batch_get
 -- A batch's row, or none.
-SELECT batch_id, tenant_id, created_at, cancelled_at FROM agent_batch WHERE batch_id = %(batch_id)s;
+SELECT batch_id, tenant_id, created_at, cancelled_at, pool FROM agent_batch WHERE batch_id = %(batch_id)s;
 
 -- name: batch_counts
 -- A batch's task counts by status, from the unfinished rows and its task count.

@@ -15,6 +15,7 @@ from jobrunner.server.console.auth import ConsoleError, Viewer
 from jobrunner.server.console.filters import TaskFilter
 from jobrunner.server.console.reads import BULK_CAP
 from jobrunner.store import audit, batches, tasks
+from jobrunner.store import workerpools as pools
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def requeue_dead(conn: psycopg.Connection, who: Viewer, batch_id: str, target: T
     confirmed; a different count raises (409) so that the admin confirms again."""
     contains = target.filt.contains_json()
     with conn.transaction():
-        _batch(conn, batch_id, who)
+        row = _batch(conn, batch_id, who)
         now = tasks.count_dead_matching(conn, batch_id, task_key=target.task_key,
                                         prefix=target.filt.prefix, contains=contains,
                                         cap=BULK_CAP + 1)
@@ -70,6 +71,8 @@ def requeue_dead(conn: psycopg.Connection, who: Viewer, batch_id: str, target: T
                      action="requeue_dead", batch_id=batch_id, detail=target.detail(),
                      rows=moved)
         batches.notify(conn, batch_id)
+        if row["pool"] and moved:  # (a pool's workers listen on the pool's channel)
+            pools.notify(conn, row["pool"])
     return moved
 
 

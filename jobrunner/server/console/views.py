@@ -315,6 +315,10 @@ def login_form(request: Request) -> Response:
 
 
 async def login(request: Request) -> Response:
+    origin = request.headers.get("origin")
+    if origin and origin != f"{request.url.scheme}://{request.headers.get('host', '')}":
+        # (another site logging a browser into a key of its choosing)
+        raise ConsoleError(403, "Refused: this login was sent from another site.")
     form = await request.form()
     key = str(form.get("key") or "").strip()
     next_path = _safe_next(form.get("next"))
