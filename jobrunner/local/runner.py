@@ -12,11 +12,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -51,8 +52,13 @@ class _Proc:
     restarts: int = 0
 
 
+# Something that runs beside the workers while the batch runs, given the database's DSN
+# (the CLI's `--console`: `jobrunner serve` on the run's database; cli/batch_api.py).
+Beside = Callable[[str], AbstractContextManager[object]]
+
+
 def run_local(manifest: Path, *, workers: int | None, batch: str | None, data_dir: Path | None,
-              dsn: str | None) -> int:
+              dsn: str | None, beside: Beside | None = None) -> int:
     spec = load_manifest(manifest)
     batch_id = batch or spec.batch_id or f"local/{spec.name}"
     if spec.reduce is not None:
@@ -70,7 +76,7 @@ def run_local(manifest: Path, *, workers: int | None, batch: str | None, data_di
                       f"(data: {server.root})[/]")
     try:
         return _run(spec, manifest, batch_id, dsn, workers or spec.workers,
-                    dsn_given=server is None)
+                    dsn_given=server is None, beside=beside)
     finally:
         if server is not None:
             server.stop()
@@ -114,9 +120,9 @@ def _import_paths(manifest: Path) -> list[str]:
 
 
 def _run(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, n_workers: int, *,
-         dsn_given: bool) -> int:
-    with db.connect(dsn, purpose="jobrunner-run") as conn:
-        migrate(conn)
+         dsn_given: bool, beside: Beside | None = None) -> int:
+    with db.connect(dsn, purpose="jobrunner-run") as conn, \
+            _beside(beside, dsn, conn):
         queue = Queue(conn)
         step = spec.reduce.as_json() if spec.reduce else None
         if spec.tasks is not None:
@@ -159,6 +165,14 @@ def _run(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, n_workers:
         elapsed = time.monotonic() - start
         return _summary(queue, batch_id, elapsed, n_workers, procs, interrupted, done_before,
                         dsn_given)
+
+
+@contextmanager
+def _beside(beside: Beside | None, dsn: str, conn: psycopg.Connection) -> Iterator[None]:
+    # Migrated first: what runs beside (the console) reads the schema from its start.
+    migrate(conn)
+    with beside(dsn) if beside is not None else nullcontext():
+        yield
 
 
 def _spawn(spec: BatchRunSpec, manifest: Path, batch_id: str, dsn: str, index: int

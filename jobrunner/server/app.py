@@ -14,6 +14,7 @@ from psycopg_pool import ConnectionPool
 from starlette.applications import Starlette
 
 from jobrunner.server import batches, files, health, service
+from jobrunner.server.console import views as console
 from jobrunner.server.context import Context, Settings
 from jobrunner.server.errors import HANDLERS
 from jobrunner.store.db import connection_params
@@ -49,6 +50,12 @@ def create_app(settings: Settings, *, sweeper: bool = True) -> Starlette:
                             open=True, name="jobrunner-serve")
         ctx = Context(settings, db)
         app.state.context = ctx
+        live = None
+        if settings.console:
+            live = console.Console(ctx, min_gap=settings.console_min_gap,
+                                   poll=settings.console_poll)
+            ctx.extra["console"] = live
+            live.hub.start()
         stop = threading.Event()
         threads = [threading.Thread(target=_counter, args=(ctx, stop), daemon=True,
                                     name="batch-counter")]
@@ -61,9 +68,14 @@ def create_app(settings: Settings, *, sweeper: bool = True) -> Starlette:
             yield
         finally:
             stop.set()
+            if live is not None:
+                live.hub.stop()
             for thread in threads:
                 thread.join(10)
             db.close()
 
-    return Starlette(routes=[*health.routes, *files.routes, *batches.routes],
-                     exception_handlers=HANDLERS, lifespan=lifespan)
+    routes = [*health.routes, *files.routes, *batches.routes]
+    if settings.console:
+        routes += console.routes
+    return Starlette(routes=routes, exception_handlers={**HANDLERS, **console.HANDLERS},
+                     lifespan=lifespan)

@@ -34,6 +34,9 @@ class Settings:
     routes_file: str | None = None           # the model routing table (None: any model)
     sweep_seconds: float = 0.5               # how often a replica advances open batches
     db_pool_size: int = 10
+    console: bool = True                     # the web console under /console (docs/console.md)
+    console_min_gap: float = 1.0             # its live updates: one refresh per topic at most
+    console_poll: float = 2.0                # this often, and this often while nothing notifies
 
     def window_seconds(self, window: Any) -> int:
         match = _DURATION.match(window) if isinstance(window, str) else None
@@ -74,4 +77,8 @@ def tenant(request: Request, conn: Any) -> str:
     if found is None:
         # (the key itself is not repeated back: it may be a real secret sent by mistake)
         raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    if found == store.ALL_TENANTS:
+        # An operator's console key: a batch made with it would belong to a tenant "*".
+        raise APIError(401, "This key is a console operator key (tenant '*'); the Batch "
+                       "API needs a key of one tenant.", code="invalid_api_key")
     return found

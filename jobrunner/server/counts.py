@@ -34,17 +34,36 @@ class LiveCounts:
         self.max_age, self.keep = max_age, keep
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
+        # one count of a batch at a time: readers that find its figures too old wait for
+        # the count under way instead of each starting their own (a starved counter
+        # thread must not turn N pollers into N counts)
+        self._counting: dict[str, threading.Lock] = {}
 
     def read(self, conn: psycopg.Connection, batch_id: str) -> dict[str, int]:
         """done, failed (dead + cancelled), input/output/total tokens of an open batch."""
         now = time.monotonic()
+        fresh = self._fresh(batch_id, now, wanted=True)
+        if fresh is not None:
+            return fresh
+        with self._count_lock(batch_id):
+            fresh = self._fresh(batch_id, time.monotonic())
+            if fresh is not None:  # (counted while this one waited)
+                return fresh
+            return self._count(conn, batch_id, wanted_at=now)
+
+    def _fresh(self, batch_id: str, now: float, wanted: bool = False
+               ) -> dict[str, int] | None:
         with self._lock:
             entry = self._entries.get(batch_id)
-            if entry is not None:
+            if entry is None:
+                return None
+            if wanted:
                 entry.wanted_at = now
-                if now - entry.counted_at <= self.max_age:
-                    return entry.figures
-        return self._count(conn, batch_id, wanted_at=now)
+            return entry.figures if now - entry.counted_at <= self.max_age else None
+
+    def _count_lock(self, batch_id: str) -> threading.Lock:
+        with self._lock:
+            return self._counting.setdefault(batch_id, threading.Lock())
 
     def refresh(self, conn: psycopg.Connection) -> int:
         """Recount the watched batches whose figures are half their max age old; forget
@@ -54,15 +73,23 @@ class LiveCounts:
             for batch_id in [b for b, e in self._entries.items()
                              if now - e.wanted_at > self.keep]:
                 del self._entries[batch_id]
+                self._counting.pop(batch_id, None)
             due = [(b, e.wanted_at) for b, e in self._entries.items()
                    if now - e.counted_at >= self.max_age / 2]
+        counted = 0
         for batch_id, wanted_at in due:
-            self._count(conn, batch_id, wanted_at=wanted_at)
-        return len(due)
+            with self._count_lock(batch_id):
+                entry = self._entries.get(batch_id)
+                if entry is not None and time.monotonic() - entry.counted_at < self.max_age / 2:
+                    continue  # (a reader counted it meanwhile)
+                self._count(conn, batch_id, wanted_at=wanted_at)
+                counted += 1
+        return counted
 
     def forget(self, batch_id: str) -> None:
         with self._lock:
             self._entries.pop(batch_id, None)
+            self._counting.pop(batch_id, None)
 
     def _count(self, conn: psycopg.Connection, batch_id: str, *, wanted_at: float
                ) -> dict[str, int]:

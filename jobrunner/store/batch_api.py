@@ -41,21 +41,32 @@ def key_hash(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def create_key(conn: psycopg.Connection, tenant_id: str, name: str | None = None
-               ) -> tuple[dict[str, Any], str]:
+ROLES = ("read", "admin")  # a key's console role (sql/schema.sql); the Batch API ignores it
+ALL_TENANTS = "*"  # an operator key's tenant: the console shows every tenant, the API none
+
+
+def create_key(conn: psycopg.Connection, tenant_id: str, name: str | None = None,
+               role: str = "read") -> tuple[dict[str, Any], str]:
     """A new key of the tenant: (its row, the key itself, to show once)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
     key_id = secrets.token_hex(6)
     key = f"{KEY_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
     with conn.transaction():
         row = _cur(conn).execute(query("api_key_insert"), {
             "key_id": key_id, "tenant_id": tenant_id, "name": name,
-            "key_hash": key_hash(key)}).fetchone()
+            "key_hash": key_hash(key), "role": role}).fetchone()
     return row, key
 
 
 def tenant_of_key(conn: psycopg.Connection, key: str) -> str | None:
-    row = _cur(conn).execute(query("api_key_find"), {"key_hash": key_hash(key)}).fetchone()
+    row = find_key(conn, key)
     return row["tenant_id"] if row else None
+
+
+def find_key(conn: psycopg.Connection, key: str) -> dict[str, Any] | None:
+    """A live key's id, tenant and console role; None for an unknown or revoked key."""
+    return _cur(conn).execute(query("api_key_find"), {"key_hash": key_hash(key)}).fetchone()
 
 
 def revoke_key(conn: psycopg.Connection, key_id: str) -> bool:

@@ -16,6 +16,10 @@ GET = Statement("batch_get")
 COUNTS = Statement("batch_counts")
 HEALTH = Statement("batch_health")
 OPEN = Statement("batch_open")
+# The web console's reads (jobrunner/server/console): bounded counts, never a count(*)
+# over a batch.
+LIST_OPEN = Statement("batch_list_open")
+SUMMARY = Statement("batch_summary")
 # Read by a worker between claims: one statement, one round trip.
 FLOW_CONTROL = Statement("batch_flow_control", Mode.ROUND_TRIP)
 
@@ -52,3 +56,19 @@ def is_open(conn: psycopg.Connection, batch_id: str) -> bool:
 def flow_controlled(session: Session, batch_id: str) -> bool:
     (cur,) = session.round_trip([(FLOW_CONTROL, {"batch_id": batch_id})])
     return bool(cur.fetchone()[0])
+
+
+def list_open(conn: psycopg.Connection, tenant_id: str | None, limit: int, cap: int
+              ) -> list[dict[str, Any]]:
+    """A page of the batches with pending or leased tasks (of one tenant, or all with
+    None), each with its counts, each count read up to `cap` index entries."""
+    return run(conn, LIST_OPEN, {"tenant_id": tenant_id, "limit": limit, "cap": cap}
+               ).fetchall()
+
+
+def summary(conn: psycopg.Connection, batch_id: str, tenant_id: str | None, cap: int
+            ) -> dict[str, Any] | None:
+    """One batch (None if unknown, or of another tenant than a given one) with its
+    counts, as list_open's rows."""
+    return run(conn, SUMMARY, {"batch_id": batch_id, "tenant_id": tenant_id, "cap": cap}
+               ).fetchone()

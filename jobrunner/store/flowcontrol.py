@@ -217,3 +217,9 @@ def next_room(session: Session) -> float | None:
     (cur,) = session.round_trip([(NEXT_ROOM, None)])
     seconds = cur.fetchone()[0]
     return None if seconds is None else max(0.0, float(seconds))
+
+
+def usage_by_attempt(conn: psycopg.Connection, task_id: int) -> list[dict]:
+    """A task's reported usage per attempt (the console's task page)."""
+    return conn.cursor(row_factory=dict_row).execute(
+        query("usage_by_attempt"), {"task_id": task_id}).fetchall()

@@ -29,6 +29,14 @@ EXPIRE = Statement("task_expire", Mode.ROUND_TRIP)
 RELEASE = Statement("task_release")
 REQUEUE_DEAD = Statement("task_requeue_dead")
 LIST_DEAD = Statement("task_list_dead")
+# The web console's task browser and actions (jobrunner/server/console): every read is
+# bounded by a scan budget, keyset-paginated.
+PAGE = Statement("task_page")
+PAGE_FAILED = Statement("task_page_failed")
+GET_BY_KEY = Statement("task_get_by_key")
+COUNT_DEAD_MATCHING = Statement("task_count_dead_matching")
+REQUEUE_DEAD_MATCHING = Statement("task_requeue_dead_matching")
+LIST_DEAD_RECENT = Statement("task_list_dead_recent")
 DELETE_FINISHED = Statement("task_delete_finished")
 STATS = Statement("task_stats")
 
@@ -117,3 +125,51 @@ def stats(conn: psycopg.Connection, batch_id: str, reserved_keys: Iterable[str]
     with reserved keys left out)."""
     return run(conn, STATS, {"batch_id": batch_id, "reserved_keys": list(reserved_keys)}
                ).fetchone()
+
+
+def page(conn: psycopg.Connection, batch_id: str, *, after: str, prefix: str,
+         status: str | None, contains: str | None, limit: int, scan: int
+         ) -> list[dict[str, Any]]:
+    """Up to `limit` tasks of the batch in key order after `after`, reading at most
+    `scan` keys; every row (and the single row of an empty page, whose task columns are
+    None) carries `scanned` and `last_key`, how far the scan went. `contains`: JSON
+    text the payload must contain, or None."""
+    return run(conn, PAGE, {"batch_id": batch_id, "after": after, "prefix": prefix,
+                            "status": status, "contains": contains, "limit": limit,
+                            "scan": scan}).fetchall()
+
+
+def page_failed(conn: psycopg.Connection, batch_id: str, *, status: str, after_id: int,
+                prefix: str, contains: str | None, limit: int, scan: int
+                ) -> list[dict[str, Any]]:
+    """As `page`, for the batch's dead or cancelled tasks in id order (`scanned`,
+    `last_id`), from the index of failed rows only."""
+    return run(conn, PAGE_FAILED, {"batch_id": batch_id, "status": status,
+                                   "after_id": after_id, "prefix": prefix,
+                                   "contains": contains, "limit": limit, "scan": scan}
+               ).fetchall()
+
+
+def get_by_key(conn: psycopg.Connection, batch_id: str, task_key: str
+               ) -> dict[str, Any] | None:
+    return run(conn, GET_BY_KEY, {"batch_id": batch_id, "task_key": task_key}).fetchone()
+
+
+def count_dead_matching(conn: psycopg.Connection, batch_id: str, *, task_key: str | None,
+                        prefix: str, contains: str | None, cap: int) -> int:
+    return int(run(conn, COUNT_DEAD_MATCHING, {
+        "batch_id": batch_id, "task_key": task_key, "prefix": prefix, "contains": contains,
+        "cap": cap}).fetchone()["n"])
+
+
+def requeue_dead_matching(conn: psycopg.Connection, batch_id: str, *, task_key: str | None,
+                          prefix: str, contains: str | None, cap: int) -> int:
+    """In the caller's transaction: at most `cap` matching dead tasks back to pending."""
+    return len(run(conn, REQUEUE_DEAD_MATCHING, {
+        "batch_id": batch_id, "task_key": task_key, "prefix": prefix, "contains": contains,
+        "cap": cap}).fetchall())
+
+
+def list_dead_recent(conn: psycopg.Connection, tenant_id: str | None, limit: int
+                     ) -> list[dict[str, Any]]:
+    return run(conn, LIST_DEAD_RECENT, {"tenant_id": tenant_id, "limit": limit}).fetchall()

@@ -78,6 +78,11 @@ def enqueue_staged(conn: psycopg.Connection, batch_id: str, tenant_id: str, pool
     return int(new)
 
 
+def notify(conn: psycopg.Connection, pool: str) -> None:
+    """Wake the pool's workers (LISTEN jobrunner_pool): it has pending work again."""
+    conn.execute(query("pool_notify"), {"pool": pool})
+
+
 def set_weight(conn: psycopg.Connection, pool: str, tenant_id: str, weight: float) -> int:
     """Set a tenant's weight in a pool (default 1); its pending tasks are re-laid so the
     weight holds from the next claim. Returns the number of its streams re-laid."""

@@ -3,14 +3,14 @@
 -- asks, so a key never reads or changes another tenant's rows.
 
 -- name: api_key_insert
--- Store a new key's hash.
-INSERT INTO api_key (key_id, tenant_id, name, key_hash)
-VALUES (%(key_id)s, %(tenant_id)s, %(name)s, %(key_hash)s)
-RETURNING key_id, tenant_id, name, created_at;
+-- Store a new key's hash and its console role.
+INSERT INTO api_key (key_id, tenant_id, name, key_hash, role)
+VALUES (%(key_id)s, %(tenant_id)s, %(name)s, %(key_hash)s, %(role)s)
+RETURNING key_id, tenant_id, name, role, created_at;
 
 -- name: api_key_find
--- The tenant of a live key, by the hash of the key presented.
-SELECT key_id, tenant_id FROM api_key WHERE key_hash = %(key_hash)s AND revoked_at IS NULL;
+-- The tenant and console role of a live key, by the hash of the key presented.
+SELECT key_id, tenant_id, role FROM api_key WHERE key_hash = %(key_hash)s AND revoked_at IS NULL;
 
 -- name: api_key_revoke
 -- Revoke a key (at once: every request looks its key up).
@@ -19,7 +19,7 @@ RETURNING key_id, tenant_id;
 
 -- name: api_key_list
 -- Keys (never their hashes), of one tenant or all.
-SELECT key_id, tenant_id, name, created_at, revoked_at FROM api_key
+SELECT key_id, tenant_id, name, role, created_at, revoked_at FROM api_key
 WHERE %(tenant_id)s::text IS NULL OR tenant_id = %(tenant_id)s
 ORDER BY created_at, key_id;
 

@@ -30,7 +30,7 @@ WHERE batch_id = %(batch_id)s AND status = 'pending';
 
 -- name: batch_get
 -- A batch's row, or none.
-SELECT batch_id, tenant_id, created_at, cancelled_at FROM agent_batch WHERE batch_id = %(batch_id)s;
+SELECT batch_id, tenant_id, created_at, cancelled_at, pool FROM agent_batch WHERE batch_id = %(batch_id)s;
 
 -- name: batch_counts
 -- A batch's task counts by status, from the unfinished rows and its task count.
@@ -102,3 +102,83 @@ SELECT EXISTS (SELECT 1 FROM agent_work_queue
     OR EXISTS (SELECT 1 FROM agent_work_queue  -- (the tenant leads the index)
                WHERE tenant_id = (SELECT b.tenant_id FROM agent_batch b WHERE b.batch_id = %(batch_id)s)
                  AND batch_id = %(batch_id)s AND status = 'leased') AS open;
+
+-- ---------------------------------------------------------------------------------
+-- The web console's reads of batches (jobrunner/server/console/, docs/console.md). Every
+-- count is bounded: the unfinished and failed statuses are counted from their small
+-- partial indexes, each up to %(cap)s rows, and done is the rest of the batch's task
+-- counter (agent_batch.tasks). A count that reaches the cap is shown as "at least", and
+-- done then as "at most": never a count(*) over the batch, whatever its size.
+
+-- fragment: batch_bounded_counts
+-- One open or finished batch `b`'s counts, each an index scan of at most %(cap)s entries;
+-- `special`: the statuses of its reduce and generator tasks (not tasks of the batch: the
+-- caller takes them out of the counts, as batch_counts does).
+    (SELECT count(*) FROM (SELECT 1 FROM agent_work_queue q
+      WHERE q.batch_id = b.batch_id AND q.status = 'pending' LIMIT %(cap)s) x) AS pending,
+    (SELECT count(*) FROM agent_work_queue q  -- (the tenant leads the leased index)
+      WHERE q.tenant_id = b.tenant_id AND q.batch_id = b.batch_id
+        AND q.status = 'leased') AS leased,
+    (SELECT count(*) FROM agent_work_queue q
+      WHERE q.tenant_id = b.tenant_id AND q.batch_id = b.batch_id
+        AND q.status = 'leased' AND q.locked_until < now()) AS stuck,
+    (SELECT count(*) FROM (SELECT 1 FROM agent_work_queue q
+      WHERE q.batch_id = b.batch_id AND q.status = 'dead' LIMIT %(cap)s) x) AS dead,
+    (SELECT count(*) FROM (SELECT 1 FROM agent_work_queue q
+      WHERE q.batch_id = b.batch_id AND q.status = 'cancelled' LIMIT %(cap)s) x) AS cancelled,
+    -- how long the most overdue ready task has waited: one probe of the pending index
+    (SELECT extract(epoch FROM now() - q.run_after)::float8 FROM agent_work_queue q
+      WHERE q.batch_id = b.batch_id AND q.status = 'pending' AND q.run_after <= now()
+      ORDER BY q.run_after LIMIT 1) AS waiting_seconds,
+    ARRAY(SELECT q.status::text FROM agent_task_key k JOIN agent_work_queue q ON q.id = k.task_id
+          WHERE k.batch_id = b.batch_id AND k.task_key IN ('__reduce__', '__generate__'))
+        AS special
+
+-- name: batch_list_open
+-- The batches with pending or leased tasks (one tenant's, or all), a page of them with bounded counts and usage.
+--
+-- The open batches are found without reading their tasks: a loose index scan of the
+-- pending index (one probe per batch that has pending tasks: the next batch id after the
+-- last one found) and the leased index, which holds only live leases. Then only the
+-- page's batches are counted.
+WITH RECURSIVE pending_batch AS (
+    (SELECT q.batch_id FROM agent_work_queue q WHERE q.status = 'pending'
+     ORDER BY q.batch_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT q.batch_id FROM agent_work_queue q
+            WHERE q.status = 'pending' AND q.batch_id > p.batch_id
+            ORDER BY q.batch_id LIMIT 1)
+    FROM pending_batch p WHERE p.batch_id IS NOT NULL
+),
+open_batch AS (
+    SELECT batch_id FROM pending_batch WHERE batch_id IS NOT NULL
+    UNION
+    SELECT q.batch_id FROM agent_work_queue q WHERE q.status = 'leased'
+),
+page AS MATERIALIZED (
+    SELECT b.batch_id, b.tenant_id, b.pool, b.created_at, b.cancelled_at, b.tasks
+    FROM open_batch o JOIN agent_batch b ON b.batch_id = o.batch_id
+    WHERE %(tenant_id)s::text IS NULL OR b.tenant_id = %(tenant_id)s
+    ORDER BY b.tenant_id, b.pool NULLS FIRST, b.created_at, b.batch_id
+    LIMIT %(limit)s
+)
+SELECT b.batch_id, b.tenant_id, b.pool, b.created_at, b.cancelled_at, b.tasks,
+       u.tokens, u.cost, u.budget_tokens, u.budget_cost, c.*
+FROM page b
+LEFT JOIN agent_batch_usage u ON u.batch_id = b.batch_id
+CROSS JOIN LATERAL (SELECT
+-- include: batch_bounded_counts
+) c
+ORDER BY b.tenant_id, b.pool NULLS FIRST, b.created_at, b.batch_id;
+
+-- name: batch_summary
+-- One batch (of the tenant, or of any with tenant NULL) with bounded counts and usage, open or not.
+SELECT b.batch_id, b.tenant_id, b.pool, b.created_at, b.cancelled_at, b.tasks, b.handler,
+       b.reduced_at, u.tokens, u.cost, u.budget_tokens, u.budget_cost, c.*
+FROM agent_batch b
+LEFT JOIN agent_batch_usage u ON u.batch_id = b.batch_id
+CROSS JOIN LATERAL (SELECT
+-- include: batch_bounded_counts
+) c
+WHERE b.batch_id = %(batch_id)s
+  AND (%(tenant_id)s::text IS NULL OR b.tenant_id = %(tenant_id)s);

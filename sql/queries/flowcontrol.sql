@@ -238,3 +238,8 @@ FROM agent_task_usage u LEFT JOIN agent_work_queue q ON q.id = u.task_id
 WHERE u.batch_id = %(batch_id)s
 GROUP BY 1
 ORDER BY 1;
+
+-- name: usage_by_attempt
+-- A task's reported usage, attempt by attempt (the console's task page).
+SELECT attempt, tokens, input_tokens, output_tokens, cost, reports, created_at, updated_at
+FROM agent_task_usage WHERE task_id = %(task_id)s ORDER BY attempt;

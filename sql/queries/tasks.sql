@@ -847,3 +847,119 @@ SELECT coalesce(sum(attempts), 0) AS attempts, count(*) AS tasks,
 FROM agent_task_key k JOIN agent_work_queue q ON q.id = k.task_id
 WHERE k.batch_id = %(batch_id)s  -- (the batch's rows by key)
   AND k.task_key <> ALL(%(reserved_keys)s::text[]);
+
+-- ---------------------------------------------------------------------------------
+-- The web console's task browser and actions (jobrunner/server/console/, docs/console.md).
+-- Each page reads at most %(scan)s index entries, whatever the filter: a page that does
+-- not fill within them says where it stopped, and the next page goes on from there
+-- (keyset pagination, never OFFSET, never a count over the batch). The payload filter is
+-- a JSON containment (`payload @> %(contains)s`), always a bound parameter.
+
+-- name: task_page
+-- A page of a batch's tasks in key order after %(after)s: status, key prefix and payload filters, at most %(scan)s keys read.
+--
+-- The batch's keys come from agent_task_key's primary key (batch_id, task_key) in order,
+-- starting at the prefix; each key's task is then read by id, until the page is full.
+-- `scanned` and `last_key` (on every row, and on the one row of an empty page) say how
+-- far the scan went.
+WITH scanned AS MATERIALIZED (
+    SELECT k.task_key, k.task_id FROM agent_task_key k
+    WHERE k.batch_id = %(batch_id)s AND k.task_key > %(after)s AND k.task_key >= %(prefix)s
+    ORDER BY k.task_key
+    LIMIT %(scan)s
+),
+edge AS (SELECT count(*) AS scanned, max(task_key) AS last_key FROM scanned)
+SELECT e.scanned, e.last_key, m.*
+FROM edge e
+LEFT JOIN LATERAL (
+    SELECT q.id, s.task_key, q.status::text AS status, q.attempts, q.max_attempts,
+           q.shard_key, left(q.payload::text, 160) AS payload_preview,
+           left(q.last_error, 160) AS error_preview, q.updated_at, q.finished_at
+    FROM scanned s JOIN agent_work_queue q ON q.id = s.task_id
+    WHERE (%(status)s::text IS NULL OR q.status = %(status)s)
+      AND starts_with(s.task_key, %(prefix)s)
+      AND (%(contains)s::jsonb IS NULL OR q.payload @> %(contains)s::jsonb)
+    ORDER BY s.task_key
+    LIMIT %(limit)s
+) m ON true
+ORDER BY m.task_key;
+
+-- name: task_page_failed
+-- A page of a batch's dead (or cancelled) tasks in id order after %(after_id)s, key prefix and payload filters, at most %(scan)s read.
+--
+-- From the partial index of dead and cancelled rows (batch_id, status, id): only the
+-- failed rows are read, however many tasks the batch has done. (The literal IN names the
+-- index's predicate, so the index is usable with any value of %(status)s.)
+WITH scanned AS MATERIALIZED (
+    SELECT q.id FROM agent_work_queue q
+    WHERE q.batch_id = %(batch_id)s AND q.status IN ('dead', 'cancelled')
+      AND q.status = %(status)s AND q.id > %(after_id)s
+    ORDER BY q.id
+    LIMIT %(scan)s
+),
+edge AS (SELECT count(*) AS scanned, max(id) AS last_id FROM scanned)
+SELECT e.scanned, e.last_id, m.*
+FROM edge e
+LEFT JOIN LATERAL (
+    SELECT q.id, q.task_key, q.status::text AS status, q.attempts, q.max_attempts,
+           q.shard_key, left(q.payload::text, 160) AS payload_preview,
+           left(q.last_error, 160) AS error_preview, q.updated_at, q.finished_at
+    FROM scanned s JOIN agent_work_queue q ON q.id = s.id
+    WHERE starts_with(q.task_key, %(prefix)s)
+      AND (%(contains)s::jsonb IS NULL OR q.payload @> %(contains)s::jsonb)
+    ORDER BY q.id
+    LIMIT %(limit)s
+) m ON true
+ORDER BY m.id;
+
+-- name: task_get_by_key
+-- One task of a batch, by key, with its payload and result as JSON text.
+SELECT q.id, q.batch_id, q.tenant_id, q.task_key, q.shard_key, q.status::text AS status,
+       q.attempts, q.max_attempts, q.payload::text AS payload, q.result::text AS result,
+       q.last_error, q.lease_owner, q.locked_until, q.run_after, q.created_at, q.updated_at,
+       q.finished_at, q.tokens, q.limits, q.pool
+FROM agent_task_key k JOIN agent_work_queue q ON q.id = k.task_id
+WHERE k.batch_id = %(batch_id)s AND k.task_key = %(task_key)s;
+
+-- name: task_count_dead_matching
+-- How many of a batch's dead tasks match the filter (one key, a key prefix, a payload containment), counted up to %(cap)s.
+SELECT count(*) AS n FROM (
+    SELECT 1 FROM agent_work_queue q
+    WHERE q.batch_id = %(batch_id)s AND q.status = 'dead'
+      AND (%(task_key)s::text IS NULL OR q.task_key = %(task_key)s)
+      AND starts_with(q.task_key, %(prefix)s)
+      AND (%(contains)s::jsonb IS NULL OR q.payload @> %(contains)s::jsonb)
+    LIMIT %(cap)s) x;
+
+-- name: task_requeue_dead_matching
+-- Put at most %(cap)s of a batch's dead tasks that match the filter back to pending (as task_requeue_dead); returns their ids.
+WITH chosen AS (
+    SELECT q.id FROM agent_work_queue q
+    WHERE q.batch_id = %(batch_id)s AND q.status = 'dead'
+      AND (%(task_key)s::text IS NULL OR q.task_key = %(task_key)s)
+      AND starts_with(q.task_key, %(prefix)s)
+      AND (%(contains)s::jsonb IS NULL OR q.payload @> %(contains)s::jsonb)
+    ORDER BY q.id
+    LIMIT %(cap)s
+    FOR UPDATE
+)
+UPDATE agent_work_queue q
+SET status = 'pending', attempts = 0, run_after = now(), finished_at = NULL,
+    locked_until = NULL, updated_at = now()
+FROM chosen c
+WHERE q.id = c.id AND q.status = 'dead'
+RETURNING q.id;
+
+-- name: task_list_dead_recent
+-- The newest dead tasks across the batches (of one tenant, or all): at most %(limit)s per batch read, newest first.
+SELECT d.id, b.batch_id, b.tenant_id, d.task_key, d.attempts, left(d.last_error, 300) AS error,
+       d.finished_at
+FROM agent_batch b
+CROSS JOIN LATERAL (
+    SELECT q.id, q.task_key, q.attempts, q.last_error, q.finished_at FROM agent_work_queue q
+    WHERE q.batch_id = b.batch_id AND q.status = 'dead'
+    ORDER BY q.id DESC
+    LIMIT %(limit)s) d
+WHERE %(tenant_id)s::text IS NULL OR b.tenant_id = %(tenant_id)s
+ORDER BY d.id DESC
+LIMIT %(limit)s;

@@ -1,0 +1,403 @@
+"""The web console (/console of `jobrunner serve`, docs/console.md) without a browser:
+real `jobrunner serve`, real PostgreSQL, real workers, driven with httpx. Access (read
+by default, admin to act, a tenant sees only its batches), CSRF refusals, escaping, the
+bounded reads' query plans, and the live updates' one-refresh-per-topic cost.
+The same views in a real browser: tests/test_console_browser.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import psycopg
+import pytest
+
+from jobrunner.server.console.filters import FilterError, TaskFilter, parse_payload
+from jobrunner.store.sqlfiles import query
+from tests.support.console import (
+    HANDLER,
+    ConsoleServer,
+    counts,
+    enqueue,
+    module_database,
+    worker,
+)
+from tests.support.processes import REPO, child_env, cli, start_worker, wait_for
+
+
+@pytest.fixture(scope="module")
+def module_dsn(pg_admin_dsn: str, template_db: str) -> Iterator[str]:
+    yield from module_database(pg_admin_dsn, template_db)
+
+
+@pytest.fixture(scope="module")
+def server(module_dsn: str, tmp_path_factory) -> Iterator[ConsoleServer]:
+    s = ConsoleServer(module_dsn, tmp_path_factory.mktemp("console")).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def client(server: ConsoleServer, key: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=server.url, headers=headers, timeout=10)
+
+
+def csrf_of(html: str) -> str:
+    return re.search(r'name="csrf" value="([0-9a-f]+)"', html)[1]
+
+
+@pytest.fixture(scope="module")
+def dead_batch(server: ConsoleServer, tmp_path_factory) -> dict:
+    """A batch of tenant acme with dead tasks (3 csv, 2 pdf) and done ones, run by a real
+    worker; one payload holds HTML."""
+    flag = tmp_path_factory.mktemp("flag") / "fail"
+    flag.write_text("x")
+    rows = [{"key": f"doc-{i:02d}", "payload": {"doc": "csv" if i < 3 else "pdf",
+                                                 "fail_while": str(flag)}} for i in range(5)]
+    rows += [{"key": f"ok-{i:02d}", "payload": {"doc": "txt"}} for i in range(4)]
+    rows.append({"key": "html", "payload": {"doc": "<script>alert(1)</script>",
+                                           "note": "<img src=x onerror=alert(2)>"}})
+    enqueue(server.dsn, "acme-b1", "acme", rows)
+    proc = worker(server.dsn, "acme-b1")
+    try:
+        wait_for(lambda: counts(server.dsn, "acme-b1")["dead"] == 5
+                 and counts(server.dsn, "acme-b1")["done"] == 5, timeout=60,
+                 what="the batch to settle")
+    finally:
+        proc.kill()
+        proc.wait(10)
+    return {"batch": "acme-b1", "flag": flag}
+
+
+def test_payload_filter_parsing():
+    assert parse_payload('payload.doc = "csv"') == {"doc": "csv"}
+    assert parse_payload("payload.doc = csv and payload.meta.n = 3") == {
+        "doc": "csv", "meta": {"n": 3}}
+    assert parse_payload("") is None
+    for bad in ("doc = csv", "payload.doc = two words", "payload.a = 1 and payload.a = 2",
+                "payload. = 1"):
+        with pytest.raises(FilterError):
+            parse_payload(bad)
+    with pytest.raises(FilterError):
+        TaskFilter.from_params({"state": "nope"})
+
+
+def test_pages_need_a_key_and_show_one_tenant(server, dead_batch):
+    with client(server, None) as anon:
+        r = anon.get("/console/", follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"].startswith("/console/login")
+        assert anon.get("/console/events?topic=overview").status_code == 401
+        assert anon.get("/console/batches/acme-b1", follow_redirects=False).status_code == 303
+    other = server.key("globex")
+    with client(server, other) as c:
+        assert c.get("/console/batches/acme-b1").status_code == 404
+        assert "acme-b1" not in c.get("/console/dead").text
+    with client(server, server.key("acme")) as c:
+        page = c.get("/console/batches/acme-b1")
+        assert page.status_code == 200
+        assert page.headers["content-security-policy"].startswith("default-src 'self'")
+        assert 'id="count-dead"' in page.text and ">5<" in page.text
+        assert "requeue-all" not in page.text  # (a read key sees no action)
+        assert "doc-00" in c.get("/console/dead").text
+
+
+def test_a_payload_with_html_is_shown_escaped(server, dead_batch):
+    with client(server, server.key("acme")) as c:
+        page = c.get("/console/batches/acme-b1/tasks/html").text
+        browser = c.get("/console/batches/acme-b1/tasks?prefix=ht").text
+    for html in (page, browser):
+        assert "<script>alert" not in html and "<img src=x" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "&lt;img src=x onerror=alert(2)&gt;" in page
+
+
+def test_the_browser_filters_by_state_prefix_and_payload(server, dead_batch):
+    with client(server, server.key("acme")) as c:
+        def keys(**params) -> list[str]:
+            html = c.get("/console/batches/acme-b1/tasks", params=params).text
+            return re.findall(r'<tr class="task" data-key="([^"]+)"', html)
+
+        assert keys(state="dead") == [f"doc-{i:02d}" for i in range(5)]
+        assert keys(state="dead", payload='payload.doc = "csv"') == [
+            "doc-00", "doc-01", "doc-02"]
+        assert keys(payload="payload.doc = txt") == [f"ok-{i:02d}" for i in range(4)]
+        assert keys(state="done", prefix="ok-0") == [f"ok-{i:02d}" for i in range(4)]
+        assert keys(prefix="zzz") == []
+        bad = c.get("/console/batches/acme-b1/tasks", params={"payload": "doc = csv"})
+        assert bad.status_code == 200 and 'id="problem"' in bad.text
+
+
+def test_actions_are_refused_without_csrf_from_another_site_and_to_read_keys(
+        server, dead_batch):
+    admin, reader = server.key("acme", "admin"), server.key("acme")
+    url = "/console/batches/acme-b1/requeue"
+    with client(server, admin) as c:
+        token = csrf_of(c.get("/console/batches/acme-b1").text)
+        assert c.post(url, data={}).status_code == 403
+        assert c.post(url, data={"csrf": "0" * 64}).status_code == 403
+        assert c.post(url, data={"csrf": token},
+                      headers={"Origin": "https://evil.example"}).status_code == 403
+        assert c.post(url, data={"csrf": token}, headers={"Origin": "null"}).status_code == 403
+        # the admin's own token from its own page: the confirmation, nothing moved yet
+        confirm = c.post(url, data={"csrf": token, "payload": 'payload.doc = "csv"'})
+        assert confirm.status_code == 200 and 'data-count="3"' in confirm.text
+    with client(server, reader) as c:
+        reader_token = csrf_of(c.get("/console/batches/acme-b1").text)
+        refused = c.post(url, data={"csrf": reader_token, "confirmed": "1", "expected": "5"})
+        assert refused.status_code == 403 and "role is read" in refused.text
+        assert c.post("/console/batches/acme-b1/cancel",
+                      data={"csrf": reader_token, "confirmed": "1"}).status_code == 403
+    with client(server, admin) as c:  # (another key's token is not this key's)
+        assert c.post(url, data={"csrf": reader_token}).status_code == 403
+    assert counts(server.dsn, "acme-b1")["dead"] == 5
+    with psycopg.connect(server.dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM console_audit").fetchone()[0] == 0
+
+
+def test_a_changed_count_is_confirmed_again_and_an_action_is_audited(server, tmp_path):
+    flag = tmp_path / "fail"
+    flag.write_text("x")
+    enqueue(server.dsn, "acme-b2", "acme", [
+        {"key": f"t{i}", "payload": {"fail_while": str(flag)}} for i in range(4)])
+    proc = worker(server.dsn, "acme-b2")
+    wait_for(lambda: counts(server.dsn, "acme-b2")["dead"] == 4, what="4 dead tasks")
+    admin = server.key("acme", "admin")
+    url = "/console/batches/acme-b2/requeue"
+    with client(server, admin) as c:
+        token = csrf_of(c.get("/console/batches/acme-b2").text)
+        stale = c.post(url, data={"csrf": token, "confirmed": "1", "expected": "3"})
+        assert stale.status_code == 409 and counts(server.dsn, "acme-b2")["dead"] == 4
+        flag.unlink()
+        done = c.post(url, data={"csrf": token, "confirmed": "1", "expected": "4"},
+                      follow_redirects=False)
+        assert done.status_code == 303
+        wait_for(lambda: counts(server.dsn, "acme-b2")["done"] == 4, what="requeued tasks done")
+        audit = c.get("/console/audit").text
+        assert "requeue_dead" in audit and "acme-b2" in audit
+    proc.kill()
+    with psycopg.connect(server.dsn) as conn:
+        row = conn.execute("SELECT action, batch_id, rows, tenant_id FROM console_audit "
+                           "WHERE batch_id = 'acme-b2'").fetchone()
+    assert row == ("requeue_dead", "acme-b2", 4, "acme")
+
+
+def test_an_operator_key_sees_every_tenant_and_the_batch_api_refuses_it(server, dead_batch):
+    operator = server.key("*")
+    with client(server, operator) as c:
+        assert c.get("/console/batches/acme-b1").status_code == 200
+        refused = c.get("/v1/batches")
+        assert refused.status_code == 401 and "operator" in refused.json()["error"]["message"]
+    listed = [json.loads(line) for line in cli("api-key", "list", dsn=server.dsn,
+                                               check=True).stdout.splitlines()]
+    assert {k["role"] for k in listed} >= {"read", "admin"}
+    assert all("key_hash" not in k for k in listed)
+
+
+def test_live_updates_cost_one_refresh_per_topic_whatever_the_viewers(server, tmp_path):
+    """Six viewers of the overview and of one batch: the hub refreshes each topic about
+    once per poll interval (2 s), not once per viewer; every viewer gets the updates."""
+    key = server.key("acme")
+    got: dict[int, list[str]] = {}
+    stop = threading.Event()
+
+    def viewer(n: int, topic: str) -> None:
+        got[n] = []
+        try:
+            with httpx.Client(base_url=server.url, timeout=30,
+                              headers={"Authorization": f"Bearer {key}"}) as c, \
+                    c.stream("GET", f"/console/events?{topic}") as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        got[n].append(line)
+                    if stop.is_set():
+                        return
+        except httpx.HTTPError:  # (the server stops at the module's end)
+            pass
+
+    with client(server, key) as c:
+        before = c.get("/console/events/stats").json()
+    threads = [threading.Thread(target=viewer, args=(n, "topic=overview" if n % 2 else
+                                                     "topic=batch&batch=acme-live"),
+                                daemon=True) for n in range(6)]
+    for t in threads:
+        t.start()
+    started = time.monotonic()
+    # (enqueued while they watch: its NOTIFY reaches the hub's listener)
+    enqueue(server.dsn, "acme-live", "acme",
+            [{"key": f"k{i:03d}", "payload": {"sleep": 0.1}} for i in range(60)])
+    proc = worker(server.dsn, "acme-live", concurrency=2)
+    wait_for(lambda: counts(server.dsn, "acme-live")["done"] == 60, timeout=60,
+             what="the live batch to finish")
+    time.sleep(2.5)  # (the last refresh)
+    elapsed = time.monotonic() - started
+    with client(server, key) as c:
+        after = c.get("/console/events/stats").json()
+    stop.set()
+    proc.kill()
+    refreshes = after["refreshes"] - before["refreshes"]
+    # two topics, at most one refresh each per min_gap (1 s), whatever the 6 viewers
+    assert refreshes <= 2 * (elapsed / 1.0 + 2), (refreshes, elapsed)
+    assert after["listening"] and after["notifications"] > before["notifications"]
+    assert all(len(got[n]) >= 2 for n in range(6)), {n: len(v) for n, v in got.items()}
+    batch_view = json.loads(got[0][-1].removeprefix("data: "))["batch-counts"]
+    assert re.search(r'id="count-done">60<', batch_view), batch_view
+    overview_views = [json.loads(line.removeprefix("data: "))["overview-rows"]
+                      for line in got[1]]
+    assert any("acme-live" in v for v in overview_views)  # (while it ran)
+    assert "acme-live" not in overview_views[-1]  # (done: no longer open)
+
+
+@pytest.fixture(scope="module")
+def big(module_dsn: str) -> str:
+    """20,000 tasks in one batch (mostly done, some dead, pending, leased) and 300 small
+    open batches, analysed: enough rows for the planner to pick what it would on a big
+    table."""
+    with psycopg.connect(module_dsn, autocommit=True) as conn:
+        conn.execute("""
+            INSERT INTO agent_batch (batch_id, tenant_id, tasks)
+            SELECT 'plan-' || g, 'plans', CASE WHEN g = 0 THEN 20000 ELSE 10 END
+            FROM generate_series(0, 300) g;
+            INSERT INTO agent_work_queue (tenant_id, batch_id, task_key, payload, status,
+                                          locked_until, last_error)
+            SELECT 'plans', 'plan-0', 'k' || lpad(g::text, 6, '0'),
+                   jsonb_build_object('doc', CASE WHEN g % 7 = 0 THEN 'csv' ELSE 'pdf' END),
+                   CASE WHEN g % 50 = 0 THEN 'dead' WHEN g % 13 = 0 THEN 'pending'
+                        WHEN g = 5 THEN 'leased' ELSE 'done' END,
+                   CASE WHEN g = 5 THEN now() + interval '1 hour' END,
+                   CASE WHEN g % 50 = 0 THEN 'ValueError: no' END
+            FROM generate_series(1, 20000) g;
+            INSERT INTO agent_work_queue (tenant_id, batch_id, task_key, payload, status)
+            SELECT 'plans', 'plan-' || b, 't' || g, '{}', 'pending'
+            FROM generate_series(1, 300) b, generate_series(1, 10) g;
+            """)
+        # (as autovacuum would: the visibility map lets the counts be index-only scans)
+        for table in ("agent_work_queue", "agent_task_key", "agent_batch"):
+            conn.execute(f"VACUUM ANALYZE {table}")
+    return module_dsn
+
+
+def _plan(conn: psycopg.Connection, name: str, params: dict) -> str:
+    rows = conn.execute("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) "
+                        + query(name), params).fetchall()
+    return "\n".join(r[0] for r in rows)
+
+
+PLANS = {
+    "batch_list_open": {"tenant_id": None, "limit": 50, "cap": 10000},
+    "batch_summary": {"batch_id": "plan-0", "tenant_id": None, "cap": 10000},
+    "task_page": {"batch_id": "plan-0", "after": "", "prefix": "k01", "status": None,
+                  "contains": '{"doc": "csv"}', "limit": 50, "scan": 5000},
+    "task_page_failed": {"batch_id": "plan-0", "status": "dead", "after_id": 0,
+                         "prefix": "", "contains": None, "limit": 50, "scan": 5000},
+    "task_count_dead_matching": {"batch_id": "plan-0", "task_key": None, "prefix": "",
+                                 "contains": '{"doc": "csv"}', "cap": 10001},
+    "task_list_dead_recent": {"tenant_id": "plans", "limit": 100},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_console_reads_are_index_scans_never_a_scan_of_the_task_table(big, name):
+    """Every console read reaches agent_work_queue through an index (the pending, leased
+    or failed partial indexes, the primary key, or agent_task_key's), never a sequential
+    scan of it: the page's cost follows what it shows, not the table's size."""
+    with psycopg.connect(big) as conn:
+        plan = _plan(conn, name, PLANS[name])
+    print(f"--- {name}\n{plan}")
+    assert "Seq Scan on agent_work_queue" not in plan, plan
+    assert "Seq Scan on agent_task_key" not in plan, plan
+
+
+def test_an_admin_cancels_a_batch_and_exports_are_streamed(server, dead_batch):
+    enqueue(server.dsn, "acme-cancel", "acme",
+            [{"key": f"c{i}", "payload": {}} for i in range(7)])
+    with client(server, server.key("acme", "admin")) as c:
+        token = csrf_of(c.get("/console/batches/acme-cancel").text)
+        ask = c.post("/console/batches/acme-cancel/cancel", data={"csrf": token})
+        assert ask.status_code == 200 and 'data-count="7"' in ask.text
+        assert counts(server.dsn, "acme-cancel")["pending"] == 7
+        done = c.post("/console/batches/acme-cancel/cancel",
+                      data={"csrf": token, "confirmed": "1"}, follow_redirects=False)
+        assert done.status_code == 303
+        assert counts(server.dsn, "acme-cancel")["cancelled"] == 7
+        page = c.get("/console/batches/acme-cancel").text
+        assert "cancel_batch" in page and 'id="cancel-batch"' not in page
+
+        results = c.get("/console/batches/acme-b1/export.jsonl")
+        assert results.status_code == 200
+        assert results.headers["content-disposition"] == 'attachment; filename="acme-b1.jsonl"'
+        lines = [json.loads(line) for line in results.text.splitlines()]
+        assert [r["key"] for r in lines] == ["html"] + [f"ok-{i:02d}" for i in range(4)]
+        errors = c.get("/console/batches/acme-b1/export.csv", params={"errors": "1"}).text
+        assert errors.splitlines()[0] == "key,status,error,attempts,finished_at"
+        assert len(errors.splitlines()) == 6 and "doc-04,dead,ValueError" in errors
+        assert c.get("/console/batches/acme-b1/export.xml").status_code == 404
+
+
+def test_jobrunner_run_console_prints_its_address_and_serves_while_the_run_lasts(
+        dsn, tmp_path):
+    manifest = tmp_path / "slow.yaml"
+    manifest.write_text("""
+apiVersion: jobrunner.dev/v1alpha1
+kind: BatchRun
+metadata: {name: slow}
+spec:
+  tenant: t
+  workers: 1
+  handler: tests.support.console_handlers:handle
+  shards:
+""" + "".join(f"    - {{key: s{i}, payload: {{sleep: 0.3}}}}\n" for i in range(12)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobrunner", "run", str(manifest), "--dsn", dsn, "--console"],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    try:
+        line = ""
+        while "console:" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the run ended without a console line"
+        url, key = re.search(r"console: (http://localhost:\d+/console/) \(log in with the "
+                             r"key (jr-\S+):", line).groups()
+        base = url.replace("localhost", "127.0.0.1")
+        page = httpx.get(base, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert page.status_code == 200 and "local/slow" in page.text
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with pytest.raises(httpx.HTTPError):  # (the console ended with the run)
+        httpx.get(base, timeout=2)
+    with psycopg.connect(dsn) as conn:  # (and its key was revoked)
+        assert conn.execute("SELECT revoked_at IS NOT NULL FROM api_key WHERE tenant_id = '*'"
+                            ).fetchone() == (True,)
+
+
+def test_a_pool_batch_requeued_wakes_the_pool_workers_and_login_refuses_other_sites(
+        server, tmp_path):
+    flag = tmp_path / "fail"
+    flag.write_text("x")
+    lines = "".join(json.dumps({"key": f"p{i}", "payload": {"fail_while": str(flag)}}) + "\n"
+                    for i in range(3))
+    cli("enqueue", "-", "--batch", "acme-pool", "--tenant", "acme", "--pool", "console-p",
+        "--max-attempts", "1", dsn=server.dsn, input=lines, check=True)
+    # a pool worker that only LISTENs and polls rarely: the requeue's pool NOTIFY wakes it
+    start_worker(server.dsn, "", HANDLER, "--poll-interval", "30", pool="console-p")
+    wait_for(lambda: counts(server.dsn, "acme-pool")["dead"] == 3, what="3 dead pool tasks")
+    flag.unlink()
+    with client(server, server.key("acme", "admin")) as c:
+        token = csrf_of(c.get("/console/batches/acme-pool").text)
+        c.post("/console/batches/acme-pool/requeue",
+               data={"csrf": token, "confirmed": "1", "expected": "3"})
+        wait_for(lambda: counts(server.dsn, "acme-pool")["done"] == 3, timeout=15,
+                 what="the pool worker to run the requeued tasks")
+    with client(server, None) as anon:
+        refused = anon.post("/console/login", data={"key": "jr-x"},
+                            headers={"Origin": "https://evil.example"})
+        assert refused.status_code == 403
