@@ -13,6 +13,7 @@ import psycopg
 
 from jobrunner.features import results
 from jobrunner.features.openai_batch import ENDPOINTS, error_line, output_line
+from jobrunner.model.errors import BadInput
 from jobrunner.model.validation import MAX_KEY_CHARS, MAX_PAYLOAD_BYTES
 from jobrunner.server import faults
 from jobrunner.server.context import HANDLER, Context
@@ -46,9 +47,11 @@ def _lines(conn: psycopg.Connection, file_id: str) -> Iterator[tuple[int, bytes]
 
 
 def _tasks(conn: psycopg.Connection, file_id: str, endpoint: str, routes: dict | None,
-           max_attempts: int, found: dict[str, Any]) -> Iterator[tuple[str, str, int]]:
-    """The file's lines as tasks (custom_id, payload, attempts), checked one by one; the
-    first bad line raises (and the transaction writes nothing)."""
+           max_attempts: int, found: dict[str, Any]
+           ) -> Iterator[tuple[str, str, int, list[str] | None]]:
+    """The file's lines as tasks (custom_id, payload, attempts, the flow-control limit of
+    the line's route if it names one), checked one by one; the first bad line raises (and
+    the transaction writes nothing)."""
     seen: set[str] = set()
     for number, raw in _lines(conn, file_id):
         try:
@@ -89,7 +92,9 @@ def _tasks(conn: psycopg.Connection, file_id: str, endpoint: str, routes: dict |
             raise _bad_line(number, f"request is over {MAX_PAYLOAD_BYTES} bytes",
                             "request_too_large")
         found["total"] = found.get("total", 0) + 1
-        yield key, payload, max_attempts
+        route = routes.get(model) if routes is not None else None
+        # (the route's limit gates every worker's claims, and a 429 pauses it for all)
+        yield key, payload, max_attempts, [route.limit] if route and route.limit else None
 
 
 def create_batch(ctx: Context, who: str, body: Any, idempotency: str | None
@@ -153,6 +158,9 @@ def create_batch(ctx: Context, who: str, body: Any, idempotency: str | None
         except psycopg.errors.UniqueViolation:
             raise APIError(409, "A request with this Idempotency-Key is in progress",
                            code="idempotency_conflict") from None
+        except BadInput as exc:  # (a route names a limit this server does not define)
+            raise APIError(400, f"The model's route cannot be used: {exc}",
+                           param="input_file_id", code="limit_not_defined") from None
         conn.commit()
         faults.point("batches.after_commit")
         return batch_object(ctx, conn, store.get_batch(conn, who, batch_id))

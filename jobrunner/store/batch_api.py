@@ -170,10 +170,12 @@ def batch_by_idempotency(conn: psycopg.Connection, tenant_id: str, key: str) -> 
 
 
 def enqueue_batch(conn: psycopg.Connection, *, batch_id: str, tenant_id: str, pool: str,
-                  handler: str, rows: Iterable[tuple[str, str, int]]) -> int:
+                  handler: str, rows: Iterable[tuple[str, str, int, list[str] | None]]
+                  ) -> int:
     """Inside the caller's transaction: the queue batch `batch_id` in `pool`, one task per
-    row (key, payload JSON text, max attempts), streamed into COPY as `rows` yields them
-    (it may raise: the transaction then writes nothing). Returns how many were enqueued."""
+    row (key, payload JSON text, max attempts, limits), streamed into COPY as `rows`
+    yields them (it may raise: the transaction then writes nothing). Every limit named
+    must exist (BadInput otherwise). Returns how many were enqueued."""
     cur = _cur(conn)
     cur.execute(query("pool_batch_ensure"), {"batch_id": batch_id, "tenant_id": tenant_id,
                                              "pool": pool, "priority": 0})
@@ -181,8 +183,11 @@ def enqueue_batch(conn: psycopg.Connection, *, batch_id: str, tenant_id: str, po
     cur.execute(query("task_stage_create"))
     with conn.cursor() as copy_cur, copy_cur.copy(query("task_stage_copy")) as copy:
         copy.set_types(["text", "text", "text", "int4", "text[]", "int8"])
-        for key, payload, attempts in rows:
-            copy.write_row((key, None, payload, attempts, None, None))
+        named: set[str] = set()
+        for key, payload, attempts, limits in rows:
+            copy.write_row((key, None, payload, attempts, limits, None))
+            named.update(limits or ())
+    flow.require_known(conn, named)
     return pools.enqueue_staged(conn, batch_id, tenant_id, pool, 0)
 
 

@@ -44,6 +44,7 @@ class Recorded:
     status: int
     authorized: bool
     headers: dict[str, str] = field(default_factory=dict)
+    arrived: float = 0.0  # time.monotonic() when the request was read
 
 
 @dataclass
@@ -188,6 +189,7 @@ class OpenAITestServer:
 
     def _answer(self, path: str, headers: dict[str, str], raw: bytes
                 ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        arrived = time.monotonic()
         authorized = (self.api_key is None
                       or headers.get("authorization") == f"Bearer {self.api_key}")
         try:
@@ -217,7 +219,7 @@ class OpenAITestServer:
                 payload = expected_body(path, body)
         safe = {k: v for k, v in headers.items() if k != "authorization"}
         with self._lock:
-            self.requests.append(Recorded(path, body, status, authorized, safe))
+            self.requests.append(Recorded(path, body, status, authorized, safe, arrived))
         return status, payload, extra
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
