@@ -15,8 +15,9 @@ snippet with the code.
 
     hack/mutants.py --check            every snippet found as often as it says (no tests run)
     hack/mutants.py                    run every mutant; a table of mutants and their killers
+                                       (CI runs every mutant too, one test each:
+                                       tests/test_mutants.py)
     hack/mutants.py NAME ...           run these mutants only
-    hack/mutants.py --ci               the CI-sized subset (CI_SUBSET) (tests/test_mutants.py)
     hack/mutants.py --baseline ...     first run the selected mutants' tests on the unmutated
                                        copy: they must pass, else a "kill" proves nothing
     hack/mutants.py --report FILE      also write the table (markdown) to FILE
@@ -336,12 +337,6 @@ MUTANTS: tuple[Mutant, ...] = (
            ("tests/test_limits.py", "-k", "429_pauses")),
 )
 
-# The CI-sized subset (tests/test_mutants.py runs it): one mutant per family, each with a
-# quick killer, so that the list stays honest in every CI run; the whole list runs with
-# `hack/mutants.py` (a few minutes per mutant family on two cores).
-CI_SUBSET = ("claim-without-skip-locked", "ack-fenced-without-attempt", "backoff-without-jitter",
-             "shard-exclusion-off", "enqueue-not-idempotent")
-
 
 class SnippetError(Exception):
     pass
@@ -401,9 +396,6 @@ def check_all(root: Path = REPO) -> list[str]:
         for arg in mutant.tests:
             if arg.startswith("tests/") and not (root / arg.split("::")[0]).exists():
                 problems.append(f"{mutant.name}: test file {arg} does not exist")
-    for name in CI_SUBSET:
-        if name not in names:
-            problems.append(f"CI_SUBSET names an unknown mutant {name}")
     return problems
 
 
@@ -473,7 +465,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
     parser.add_argument("--check", action="store_true", help="check the snippets only")
-    parser.add_argument("--ci", action="store_true", help="run the CI subset")
     parser.add_argument("--baseline", action="store_true",
                         help="first run the selected tests on the unmutated copy")
     parser.add_argument("--list", action="store_true", help="list the mutants")
@@ -493,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mutants: {len(MUTANTS)} mutants, every snippet found")
         return 0
     by_name = {m.name: m for m in MUTANTS}
-    names = list(CI_SUBSET) if args.ci else args.names or list(by_name)
+    names = args.names or list(by_name)
     unknown = [n for n in names if n not in by_name]
     if unknown:
         print(f"unknown mutants: {unknown}", file=sys.stderr)
