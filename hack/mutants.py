@@ -323,6 +323,12 @@ MUTANTS: tuple[Mutant, ...] = (
                         " OR b.cost >= b.budget_cost))\n",
                  ""),),
            ("tests/test_limits.py", "-k", "budget_stops_claims")),
+    Mutant("tenant-budget-never-checked",
+           "a tenant's budget in a pool stops every batch of the tenant there",
+           (Edit(TASKS, "            AND (t.tokens >= t.budget_tokens"
+                        " OR t.cost >= t.budget_cost)\n",
+                 "            AND false\n"),),
+           ("tests/test_pool_limits.py", "-k", "tenants_budget_in_a_pool")),
     Mutant("rate-limited-pauses-nobody",
            "a rate-limited answer (429) pauses the limit for everyone",
            (Edit(FLOW, "    blocked_until = greatest(coalesce(l.blocked_until, now()),\n"

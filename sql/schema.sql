@@ -423,6 +423,20 @@ CREATE TABLE public.agent_pool_tenant (
     CONSTRAINT agent_pool_tenant_weight_check CHECK (((weight >= (0.001)::double precision) AND (weight <= (1000)::double precision)))
 );
 
+CREATE TABLE public.agent_pool_tenant_usage (
+    pool text NOT NULL,
+    tenant_id text NOT NULL,
+    budget_tokens bigint,
+    budget_cost numeric,
+    tokens bigint DEFAULT 0 NOT NULL,
+    input_tokens bigint DEFAULT 0 NOT NULL,
+    output_tokens bigint DEFAULT 0 NOT NULL,
+    cost numeric DEFAULT 0 NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT agent_pool_tenant_usage_budget_cost_check CHECK ((budget_cost >= (0)::numeric)),
+    CONSTRAINT agent_pool_tenant_usage_budget_tokens_check CHECK ((budget_tokens >= 0))
+);
+
 CREATE TABLE public.agent_shard_lease (
     tenant_id text NOT NULL,
     shard_key text NOT NULL,
@@ -632,6 +646,9 @@ ALTER TABLE ONLY public.agent_pool_stream
 
 ALTER TABLE ONLY public.agent_pool_tenant
     ADD CONSTRAINT agent_pool_tenant_pkey PRIMARY KEY (pool, tenant_id);
+
+ALTER TABLE ONLY public.agent_pool_tenant_usage
+    ADD CONSTRAINT agent_pool_tenant_usage_pkey PRIMARY KEY (pool, tenant_id);
 
 ALTER TABLE ONLY public.agent_shard_lease
     ADD CONSTRAINT agent_shard_lease_pkey PRIMARY KEY (tenant_id, shard_key);

@@ -34,6 +34,22 @@ def log_table(conn):
     conn.commit()
 
 
+# A test's witness of each 429's block of a limit: when it was written (clock_timestamp()
+# of the UPDATE, which commits at once: jobrunner/store/flowcontrol.py block_limits) and
+# until when.
+BLOCK_LOG_DDL = """
+CREATE TABLE block_log (at timestamptz, blocked_until timestamptz);
+CREATE FUNCTION block_log() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.blocked_until IS DISTINCT FROM OLD.blocked_until THEN
+        INSERT INTO block_log VALUES (clock_timestamp(), NEW.blocked_until);
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER block_log AFTER UPDATE ON agent_limit FOR EACH ROW EXECUTE FUNCTION block_log();
+"""
+
+
 def _jsonl(tasks: list[dict]) -> str:
     return "".join(json.dumps(t) + "\n" for t in tasks)
 
@@ -182,6 +198,12 @@ def api_server():
 def test_429_pauses_the_limit_for_every_worker_without_burning_attempts(
         dsn, conn, log_table, tmp_path, api_server, capsys):
     cli("limit", "set", "llm", "--requests", "50", "--per", "1", dsn=dsn, check=True)
+    # When each pause begins: the instant the worker's block of the limit is written (a
+    # trigger of this test, on the database clock). The pause cannot begin at the
+    # handler's 429 itself: the worker writes the block after the handler returns, and a
+    # claim in between (a few ms) is not paused yet.
+    conn.execute(BLOCK_LOG_DDL)
+    conn.commit()
     tasks = [{"key": f"k{i:02d}", "limits": ["llm"],
               "payload": {"url": f"{api_server}/flaky", "limit": "llm", "sleep": 0.05}}
              for i in range(40)]
@@ -194,25 +216,32 @@ def test_429_pauses_the_limit_for_every_worker_without_burning_attempts(
     # max_attempts is 1: a 429 that used an attempt would have ended its task dead.
     assert {r["status"] for r in rows} == {"done"} and {r["attempts"] for r in rows} == {1}
     assert sum(r["throttles"] or 0 for r in rows) == 3
-    # The pause, measured from the handlers' side (database clock, written by them): after
-    # a handler got a 429 (Retry-After: 1), no handler starts until that second is over,
-    # except those whose claim came before the pause: a start follows its claim by at
-    # most `lag` (measured here, per task), so none starts in (429 + lag, 429 + 1 s).
+    # The pause, measured from the handlers' side (database clock, written by them): once
+    # a 429's block of the limit is written (Retry-After: 1), no handler starts until the
+    # block ends, except those whose claim came before it: a start follows its claim by
+    # at most `lag` (measured here, per task), so none starts in (block + lag, until).
     rows = conn.execute("SELECT extract(epoch FROM claimed_at)::float8 AS c,"
                         " extract(epoch FROM started_at)::float8 AS s,"
                         " extract(epoch FROM rate_limited_at)::float8 AS r"
                         " FROM limit_log").fetchall()
+    blocks = [(b["at"], b["until"]) for b in conn.execute(
+        "SELECT extract(epoch FROM at)::float8 AS at,"
+        " extract(epoch FROM blocked_until)::float8 AS until FROM block_log ORDER BY at")]
     lag = max(r["s"] - r["c"] for r in rows)
     answers = sorted(r["r"] for r in rows if r["r"] is not None)
-    assert len(answers) == 3 and lag < 0.5, (answers, lag)
-    for at in answers:
-        inside = sorted(r["s"] - at for r in rows if at + lag < r["s"] < at + 1.0)
+    assert len(answers) == 3 and len(blocks) == 3 and lag < 0.5, (answers, blocks, lag)
+    # each block follows its handler's 429 (the worker writes it once the handler returns)
+    delays = [at - answer for (at, _), answer in zip(blocks, answers, strict=True)]
+    assert all(0 <= d < 1.0 for d in delays), delays
+    for at, until in blocks:
+        assert 0.9 < until - at <= 1.0, (at, until)  # now() + Retry-After 1 s, now() <= at
+        inside = sorted(r["s"] - at for r in rows if at + lag < r["s"] < until)
         assert inside == [], (at, inside)
-    after = [r["s"] - answers[-1] for r in rows if r["s"] > answers[-1] + lag]
-    show(capsys, f"429 pause (Retry-After 1 s), handler side: claim -> start at most "
-         f"{lag * 1000:.0f} ms; no start in (429 + {lag:.2f} s, 429 + 1 s) for "
-         f"{len(answers)} answers; first start after the last: "
-         f"{min(after):.2f} s" if after else "")
+    after = [r["s"] - blocks[-1][1] for r in rows if r["s"] > blocks[-1][0] + lag]
+    show(capsys, f"429 pause (Retry-After 1 s), handler side: 429 -> block written "
+         f"{max(delays) * 1000:.0f} ms at most; claim -> start at most {lag * 1000:.0f} ms; "
+         f"no start in (block + {lag:.2f} s, block + 1 s) for {len(blocks)} blocks; first "
+         f"start after the last block ended: {min(after):+.2f} s" if after else "")
     # ... and the server's side: nothing reached it from 0.6 s after a 429 to the end of
     # the second (before 0.6 s, calls of tasks claimed before the pause may still arrive:
     # a worker's first call imports its HTTP client, a few hundred ms under load)

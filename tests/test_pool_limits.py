@@ -149,6 +149,37 @@ def test_a_spent_budget_stops_its_pool_batch_and_not_the_others(conn):
     assert [x.key for x in _claim(q, "p")] == ["a0001"]
 
 
+def test_a_tenants_budget_in_a_pool_stops_every_batch_of_the_tenant_and_no_other(conn):
+    q = Queue(conn)
+    q.enqueue("a1", "A", _tasks("a1", 5), pool="p")
+    q.enqueue("a2", "A", _tasks("a2", 5), pool="p")
+    q.enqueue("b", "B", _tasks("b", 5), pool="p")
+    q.enqueue("other", "A", _tasks("o", 2), pool="elsewhere")
+    assert not pools.flow_controlled(q.session, "p")
+    q.set_tenant_budget("p", "A", tokens=150)
+    assert pools.flow_controlled(q.session, "p")
+    conn.commit()
+    # A's usage in the pool: 100 tokens from a1, 60 from a2 (reported while running)
+    spent = []
+    while len(spent) < 2:
+        (lease,) = _claim(q, "p")
+        if lease.key.startswith(("a1", "a2")) and lease.key[:2] not in {x[:2] for x in spent}:
+            limits.record_usage(conn, lease.id, lease.attempt,
+                                Usage(tokens=100 if lease.key.startswith("a1") else 60))
+            spent.append(lease.key)
+    assert q.tenant_usage("p", "A").tokens == 160 and q.tenant_usage("p", "A").exhausted
+    # each batch alone is far under 150: only the tenant's budget stops them
+    assert q.usage("a1", by_status=False).tokens == 100
+    assert q.usage("a2", by_status=False).tokens == 60
+    got = [lease.key for _ in range(12) for lease in _claim(q, "p")]
+    assert got and all(k.startswith("b") for k in got), got
+    assert q.counts("a1")["pending"] + q.counts("a2")["pending"] > 0
+    # the tenant's budget is per pool: its batch in another pool is not stopped
+    assert [x.key for x in _claim(q, "elsewhere")] == ["o0000"]
+    q.set_tenant_budget("p", "A", tokens=10_000)  # raising it resumes A's batches
+    assert _claim(q, "p")[0].key.startswith("a")
+
+
 def test_a_tenant_arriving_while_another_is_held_joins_the_streams_being_served(conn):
     """Migration 0020: the pool's virtual time now is at least the largest tag its workers
     hold. A held stream's oldest task (small tag) must not be where a newcomer starts:
@@ -343,6 +374,51 @@ def test_a_budget_on_a_pool_batch_stops_it_and_not_the_other_batch(dsn, conn, lo
     cli("budget", "set", "--batch", "a", "--tokens", "100000", dsn=dsn, check=True)
     wait_for(lambda: q.counts("a")["done"] == 40, timeout=60, what="A to finish")
     _stop(workers, tmp_path)
+
+
+def test_a_tenant_budget_over_two_pool_batches_stops_both_and_not_the_other_tenant(
+        dsn, conn, log_table, tmp_path):
+    q = Queue(conn)
+    for batch, tenant in (("a1", "A"), ("a2", "A"), ("b", "B")):
+        q.enqueue(batch, tenant, _tasks(batch, 30, payload={"tokens": 100, "sleep": 0.2}),
+                  pool="tp")
+    r = cli("budget", "set", "--pool", "tp", "--tenant", "A", "--tokens", "1500", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    assert "tenant A in pool tp: budget tokens 1500" in r.stdout, r.stdout
+    workers = _pool_workers(dsn, "tp", 4, tmp_path, f"{H}:spend_at_end")
+
+    def a_done() -> int:
+        return q.counts("a1")["done"] + q.counts("a2")["done"]
+
+    def settled() -> bool:
+        return (q.counts("b")["done"] == 30 and q.counts("a1")["leased"] == 0
+                and q.counts("a2")["leased"] == 0 and q.tenant_usage("tp", "A").exhausted)
+
+    wait_for(settled, timeout=90, what="B done and A's two batches stopped by A's budget")
+    time.sleep(1.0)  # the workers keep polling: nothing more of A is claimed
+    used = q.tenant_usage("tp", "A")
+    # the witness: the handlers' own log of what ran, not the totals the claim reads
+    ran = conn.execute("SELECT count(DISTINCT task_key) AS n FROM limit_log"
+                       " WHERE task_key LIKE 'a%'").fetchone()["n"]
+    assert a_done() == ran and q.counts("a1")["leased"] + q.counts("a2")["leased"] == 0
+    # overshoot: at most what was in flight (4 workers x 1 task x 100 tokens)
+    assert 1500 <= used.tokens <= 1500 + 4 * 100 and used.tokens == 100 * ran, (used, ran)
+    assert q.counts("a1")["done"] > 0 and q.counts("a2")["done"] > 0  # both drew from it
+    assert q.usage("a1", by_status=False).tokens + q.usage("a2", by_status=False).tokens \
+        == used.tokens
+    assert q.counts("b")["done"] == 30 and q.usage("b", by_status=False).tokens == 3000
+    cli("budget", "set", "--pool", "tp", "--tenant", "A", "--tokens", "100000", dsn=dsn,
+        check=True)
+    wait_for(lambda: a_done() == 60, timeout=60, what="A's batches to finish")
+    _stop(workers, tmp_path)
+
+
+def test_a_tenant_budget_needs_a_pool_and_a_tenant(dsn):
+    r = cli("budget", "set", "--pool", "tp", "--tokens", "5", dsn=dsn)
+    assert r.returncode == 2 and "--pool and --tenant" in r.stderr, r.stderr
+    r = cli("budget", "set", "--batch", "x", "--pool", "tp", "--tenant", "A", "--tokens", "5",
+            dsn=dsn)
+    assert r.returncode == 2 and "either --batch, or --pool and --tenant" in r.stderr, r.stderr
 
 
 def test_the_pool_claim_with_limits_shares_its_halves_with_the_other_claims():

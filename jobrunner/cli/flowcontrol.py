@@ -21,7 +21,8 @@ from jobrunner.store import flowcontrol as flow
 
 limit_app = typer.Typer(no_args_is_help=True,
                         help="Flow-control limits shared by every worker (rates, concurrency).")
-budget_app = typer.Typer(no_args_is_help=True, help="A batch's budget of tokens and cost.")
+budget_app = typer.Typer(no_args_is_help=True,
+                         help="A budget of tokens and cost: a batch's, or a tenant's in a pool.")
 
 out = Console()
 
@@ -137,16 +138,32 @@ def usage(batch: BatchOpt, as_json: AsJson = False, dsn: DsnOpt = None) -> None:
 
 @budget_app.command("set")
 def budget_set(
-    batch: BatchOpt,
-    tokens: Annotated[int | None, typer.Option(help="Token budget of the batch.")] = None,
-    cost: Annotated[str | None, typer.Option(help="Cost budget of the batch.")] = None,
+    batch: Annotated[str | None, typer.Option("--batch", help="Batch id.")] = None,
+    pool: Annotated[str | None, typer.Option(
+        help="Worker pool: with --tenant, a budget over every batch of the tenant in the "
+             "pool (the Batch API's batches of a tenant, for one).")] = None,
+    tenant: Annotated[str | None, typer.Option(help="Tenant (with --pool).")] = None,
+    tokens: Annotated[int | None, typer.Option(help="Token budget.")] = None,
+    cost: Annotated[str | None, typer.Option(help="Cost budget.")] = None,
     dsn: DsnOpt = None,
 ) -> None:
-    """Set or raise a batch's budget; its claims stop while its usage is at or over it
-    (raising the budget resumes them)."""
+    """Set or raise a batch's budget, or a tenant's over all its batches in a pool; their
+    claims stop while the usage is at or over it (raising the budget resumes them)."""
     if tokens is None and cost is None:
         raise BadInput("give --tokens and/or --cost")
+    if (batch is None) == (pool is None and tenant is None):
+        raise BadInput("give either --batch, or --pool and --tenant")
     q = _queue(dsn)
+    if batch is None:
+        if pool is None or tenant is None:
+            raise BadInput("a tenant's budget needs both --pool and --tenant")
+        q.set_tenant_budget(pool, tenant, tokens=tokens, cost=cost)
+        t = q.tenant_usage(pool, tenant)
+        out.print(f"tenant {tenant} in pool {pool}: budget tokens {_opt(t.budget_tokens)}, "
+                  f"cost {'-' if t.budget_cost is None else f'{t.budget_cost:g}'}; used "
+                  f"{t.tokens:,} tokens, cost {t.cost:g}" + ("; exhausted" if t.exhausted else ""),
+                  highlight=False)
+        return
     q.batch(batch)
     q.set_budget(batch, tokens=tokens, cost=cost)
     u = q.usage(batch, by_status=False)

@@ -72,6 +72,25 @@ class BatchUsage:
         return json.loads(json.dumps(asdict(self), default=_json_number))
 
 
+@dataclass
+class TenantUsage:
+    """A tenant's usage over all its batches in a worker pool, its budget there, and
+    whether the budget stops its claims."""
+
+    pool: str
+    tenant_id: str
+    tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost: Decimal = Decimal(0)
+    budget_tokens: int | None = None
+    budget_cost: Decimal | None = None
+    exhausted: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self), default=_json_number))
+
+
 def _json_number(value: Any) -> Any:
     if isinstance(value, Decimal):
         return float(value)

@@ -18,7 +18,7 @@ import psycopg
 from jobrunner.model import workerpools as pool_rules
 from jobrunner.model.errors import BadInput, UnknownBatch
 from jobrunner.model.types import STATUSES, EnqueueResult, Lease, Outcome, Timing
-from jobrunner.model.usage import BatchUsage
+from jobrunner.model.usage import BatchUsage, TenantUsage
 from jobrunner.model.validation import (
     RESERVED_KEYS,
     TaskSpec,
@@ -477,6 +477,18 @@ class Queue:
         """Set or raise a batch's budget of tokens and/or cost (None: keep the current
         one). Its claims stop while its reported usage is at or over it."""
         flow.set_budget(self.conn, batch_id, tokens=tokens, cost=cost)
+
+    def set_tenant_budget(self, pool: str, tenant_id: str, *, tokens: int | None = None,
+                          cost: float | str | None = None) -> None:
+        """Set or raise a tenant's budget over all its batches in a worker pool (None:
+        keep the current one). The tenant's claims in the pool stop while its reported
+        usage there is at or over it."""
+        flow.set_tenant_budget(self.conn, pool, tenant_id, tokens=tokens, cost=cost)
+
+    def tenant_usage(self, pool: str, tenant_id: str) -> TenantUsage:
+        """The tenant's tokens and cost over its batches in the pool, its budget there,
+        and whether the budget is exhausted."""
+        return flow.tenant_usage(self.conn, pool, tenant_id)
 
     def usage(self, batch_id: str, *, by_status: bool = True) -> BatchUsage:
         """The batch's tokens and cost (total, and by task status), its budget, and

@@ -19,6 +19,8 @@ Guarantees (docs/flow-control.md has the reasoning and the algorithm):
   every worker.
 - A batch's budget (`set_budget`) stops its claims once its reported tokens or cost
   reach it; raising it resumes them. Overshoot is at most what was in flight.
+- A tenant's budget in a pool (`set_tenant_budget`) does the same over every batch of
+  the tenant in the pool (each pool batch's report adds to its tenant's totals there).
 
 Each function here is one short transaction of its own on the connection it is given
 (the worker's handler threads use the effects pool's connections). One may wait for a
@@ -43,6 +45,7 @@ from jobrunner.model.flowcontrol import (
 )
 from jobrunner.model.usage import (
     BatchUsage,
+    TenantUsage,
     Usage,
     check_cost,
 )
@@ -189,6 +192,40 @@ def set_budget(conn: psycopg.Connection, batch_id: str, *, tokens: int | None = 
         if clear_tokens or clear_cost:
             cur.execute(query("budget_clear"), {"batch_id": batch_id, "tokens": clear_tokens,
                                                 "cost": clear_cost})
+
+
+def set_tenant_budget(conn: psycopg.Connection, pool: str, tenant_id: str, *,
+                      tokens: int | None = None, cost: float | Decimal | str | None = None,
+                      clear_tokens: bool = False, clear_cost: bool = False) -> None:
+    """Set or change a tenant's budget over all its batches in a pool (None: keep;
+    clear_*: remove). Raising an exhausted budget resumes the tenant's claims."""
+    check_identifier(pool, "pool")
+    check_identifier(tenant_id, "tenant")
+    if tokens is not None:
+        check_tokens(tokens, "budget tokens")
+    budget_cost = check_cost(cost, "budget cost") if cost is not None else None
+    params = {"pool": pool, "tenant_id": tenant_id}
+    with conn.transaction():
+        cur = conn.cursor()
+        if tokens is not None or budget_cost is not None:
+            cur.execute(query("tenant_budget_set"),
+                        {**params, "budget_tokens": tokens, "budget_cost": budget_cost})
+        if clear_tokens or clear_cost:
+            cur.execute(query("tenant_budget_clear"),
+                        {**params, "tokens": clear_tokens, "cost": clear_cost})
+
+
+def tenant_usage(conn: psycopg.Connection, pool: str, tenant_id: str) -> TenantUsage:
+    """The tenant's totals over its batches in the pool and its budget there."""
+    row = conn.cursor(row_factory=dict_row).execute(
+        query("tenant_usage_get"), {"pool": pool, "tenant_id": tenant_id}).fetchone()
+    if row is None:
+        return TenantUsage(pool, tenant_id)
+    return TenantUsage(pool, tenant_id, tokens=int(row["tokens"]),
+                       input_tokens=int(row["input_tokens"]),
+                       output_tokens=int(row["output_tokens"]), cost=row["cost"],
+                       budget_tokens=row["budget_tokens"], budget_cost=row["budget_cost"],
+                       exhausted=bool(row["exhausted"]))
 
 
 def batch_usage(conn: psycopg.Connection, batch_id: str, *, by_status: bool = True

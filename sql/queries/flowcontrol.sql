@@ -183,7 +183,23 @@ WHERE l.name = ANY(%(names)s::text[]) AND l.tokens IS NOT NULL
   AND ln.limit_name = l.name;
 
 -- name: usage_batch_add
--- Add reported usage to the batch's totals.
+-- Add reported usage to the batch's totals (and its tenant's in the pool, for a pool batch).
+--
+-- A pool batch's report also adds to its tenant's totals in the pool
+-- (agent_pool_tenant_usage), which a tenant budget checks: one more row per report, in
+-- the same statement, so the two totals never disagree.
+WITH tenant AS (
+    INSERT INTO agent_pool_tenant_usage AS t (pool, tenant_id, tokens, input_tokens,
+                                              output_tokens, cost)
+    SELECT pool, tenant_id, %(tokens)s, %(input_tokens)s, %(output_tokens)s, %(cost)s
+    FROM agent_batch WHERE batch_id = %(batch_id)s AND pool IS NOT NULL
+    ON CONFLICT (pool, tenant_id) DO UPDATE
+    SET tokens = t.tokens + EXCLUDED.tokens,
+        input_tokens = t.input_tokens + EXCLUDED.input_tokens,
+        output_tokens = t.output_tokens + EXCLUDED.output_tokens,
+        cost = t.cost + EXCLUDED.cost,
+        updated_at = now()
+)
 INSERT INTO agent_batch_usage AS b (batch_id, tokens, input_tokens, output_tokens, cost)
 VALUES (%(batch_id)s, %(tokens)s, %(input_tokens)s, %(output_tokens)s, %(cost)s)
 ON CONFLICT (batch_id) DO UPDATE
@@ -217,6 +233,37 @@ SET budget_tokens = CASE WHEN %(tokens)s THEN NULL ELSE budget_tokens END,
     budget_cost = CASE WHEN %(cost)s THEN NULL ELSE budget_cost END,
     updated_at = now()
 WHERE batch_id = %(batch_id)s;
+
+-- name: tenant_budget_set
+-- Set or raise a tenant's budget in a pool (every batch of the tenant in the pool).
+--
+-- Set (or raise, or lower) the budget; NULL keeps the current value. The pool's workers
+-- claim under flow control while a tenant with a budget has pending tasks
+-- (pool_flow_control, read once a second), and then leave out the tenant's tasks while
+-- its totals are at or over the budget; raising it resumes them.
+INSERT INTO agent_pool_tenant_usage AS t (pool, tenant_id, budget_tokens, budget_cost)
+VALUES (%(pool)s, %(tenant_id)s, %(budget_tokens)s, %(budget_cost)s)
+ON CONFLICT (pool, tenant_id) DO UPDATE
+SET budget_tokens = coalesce(EXCLUDED.budget_tokens, t.budget_tokens),
+    budget_cost = coalesce(EXCLUDED.budget_cost, t.budget_cost),
+    updated_at = now();
+
+-- name: tenant_budget_clear
+-- Clear a tenant's token and/or cost budget in a pool.
+UPDATE agent_pool_tenant_usage
+SET budget_tokens = CASE WHEN %(tokens)s THEN NULL ELSE budget_tokens END,
+    budget_cost = CASE WHEN %(cost)s THEN NULL ELSE budget_cost END,
+    updated_at = now()
+WHERE pool = %(pool)s AND tenant_id = %(tenant_id)s;
+
+-- name: tenant_usage_get
+-- A tenant's total usage and budget in a pool.
+--
+-- The tenant's totals over its batches in the pool and its budget (one row or none), and
+-- whether the budget stops its claims.
+SELECT tokens, input_tokens, output_tokens, cost, budget_tokens, budget_cost,
+       coalesce(tokens >= budget_tokens OR cost >= budget_cost, false) AS exhausted
+FROM agent_pool_tenant_usage WHERE pool = %(pool)s AND tenant_id = %(tenant_id)s;
 
 -- name: usage_get
 -- A batch's total usage and budget.

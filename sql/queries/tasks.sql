@@ -702,7 +702,7 @@ FROM claimed;
 -- - jobrunner_limit_admit ranks the candidates under each limit in the order given, here
 --   (vtag, id): when a limit has room for k of them, the k earliest in fair order get it.
 -- Budgets: one index probe of agent_batch_usage per candidate (its batch's row; none: no
--- budget), a pre-filter as in task_ack_and_claim_limited (tasks in flight when the
+-- budget) and one of agent_pool_tenant_usage (its tenant's row in the pool), a pre-filter as in task_ack_and_claim_limited (tasks in flight when the
 -- budget is reached finish, so the overshoot is at most what was in flight).
 -- The charge runs in this statement, as in task_ack_and_claim_limited: one round trip.
 -- include: task_ack
@@ -737,6 +737,11 @@ candidates AS (
           WHERE b.batch_id = q.batch_id
             AND (b.tokens >= b.budget_tokens OR b.cost >= b.budget_cost)
           OFFSET 0)  -- one probe per candidate, as the shard pre-filter
+      AND NOT EXISTS (  -- (the task's tenant has spent its budget in the pool)
+          SELECT 1 FROM agent_pool_tenant_usage t
+          WHERE t.pool = %(pool)s AND t.tenant_id = q.tenant_id
+            AND (t.tokens >= t.budget_tokens OR t.cost >= t.budget_cost)
+          OFFSET 0)
     ORDER BY q.vtag, q.id
     LIMIT %(limit)s
     FOR UPDATE OF q SKIP LOCKED

@@ -91,10 +91,16 @@ SELECT pool FROM agent_batch WHERE batch_id = %(batch_id)s;
 -- Read by a pool worker on its first claim and then once a second: while it is true the
 -- worker claims with task_ack_and_claim_pool_limited. Unlike a batch's flag it goes back
 -- to false once those batches have nothing pending (a pool lives on, its batches end), so
--- the pool's claims stop paying for limits. A batch's row, then one probe of its pending
--- tasks, for the pool's batches under flow control only.
+-- the pool's claims stop paying for limits. A batch is under flow control when its
+-- flag says so or its tenant has a budget in the pool (agent_pool_tenant_usage). A
+-- batch's row, then one probe of its pending tasks, for those batches only.
 SELECT EXISTS (SELECT 1 FROM agent_batch b
-               WHERE b.pool = %(pool)s AND b.flow_control AND b.cancelled_at IS NULL
+               WHERE b.pool = %(pool)s AND b.cancelled_at IS NULL
+                 AND (b.flow_control
+                      OR EXISTS (SELECT 1 FROM agent_pool_tenant_usage t
+                                 WHERE t.pool = b.pool AND t.tenant_id = b.tenant_id
+                                   AND (t.budget_tokens IS NOT NULL
+                                        OR t.budget_cost IS NOT NULL)))
                  AND EXISTS (SELECT 1 FROM agent_work_queue q
                              WHERE q.batch_id = b.batch_id AND q.status = 'pending'))
        AS flow;

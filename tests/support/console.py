@@ -47,6 +47,7 @@ class ConsoleServer:
     def __init__(self, dsn: str, tmp: Path) -> None:
         self.dsn, self.tmp, self.port = dsn, tmp, free_port()
         self.proc: subprocess.Popen | None = None
+        self.last_answer = "none"
 
     @property
     def url(self) -> str:
@@ -58,13 +59,26 @@ class ConsoleServer:
             [sys.executable, "-m", "jobrunner", "serve", "--port", str(self.port)],
             env=child_env(self.dsn), cwd=REPO, stdout=log, stderr=log,
             start_new_session=True)
-        wait_for(self._ready, timeout=30, what="jobrunner serve to answer")
+        try:
+            wait_for(self._ready, timeout=60, what="jobrunner serve to answer /readyz")
+        except AssertionError as exc:
+            self.stop()  # (else it outlives the test, logging on a dropped database)
+            tail = (self.tmp / "serve.log").read_text(errors="replace")[-3000:]
+            raise AssertionError(f"{exc}; its last answer: {self.last_answer}; "
+                                 f"its log:\n{tail}") from None
         return self
 
     def _ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"jobrunner serve exited {self.proc.returncode}")
         try:
-            return httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200
-        except httpx.HTTPError:
+            # (the server waits up to 2 s for a database connection before it answers 503:
+            # a client that gives up sooner never sees the answer under load)
+            r = httpx.get(f"{self.url}/readyz", timeout=5)
+            self.last_answer = f"{r.status_code} {r.text[:200]}"
+            return r.status_code == 200
+        except httpx.HTTPError as exc:
+            self.last_answer = repr(exc)
             return False
 
     def stop(self) -> None:
