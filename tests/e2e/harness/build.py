@@ -32,6 +32,7 @@ K8S_VERSION = "v1.37.2"  # newest k8s.io/kubernetes that builds with Go 1.26
 HELM_VERSION = "v4.3.2"  # helm.sh/helm/v4 (built against k8s.io/* v0.37.2)
 CONTAINERD_VERSION = "v2.4.2"  # github.com/containerd/containerd/v2
 BUILDKIT_VERSION = "v0.34.2"  # github.com/moby/buildkit
+KUEUE_VERSION = "v0.17.0"  # sigs.k8s.io/kueue (cmd/kueue; its CRDs come from the same module)
 # etcd is go.etcd.io/etcd/server/v3 at the version k8s.io/kubernetes itself requires.
 # runc, the CNI loopback plugin and debootstrap are Debian packages (`make system-deps`).
 # -------------------------------------------------------------------------------
@@ -42,7 +43,9 @@ K8S_BINARIES = (
 HELM_BINARIES = ("helm",)
 CONTAINERD_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr")
 BUILDKIT_BINARIES = ("buildkitd", "buildctl")
-ALL_BINARIES = K8S_BINARIES + HELM_BINARIES + CONTAINERD_BINARIES + BUILDKIT_BINARIES
+KUEUE_BINARIES = ("kueue",)
+ALL_BINARIES = (K8S_BINARIES + HELM_BINARIES + CONTAINERD_BINARIES + BUILDKIT_BINARIES
+                + KUEUE_BINARIES)
 
 
 class GoModule:
@@ -66,6 +69,10 @@ BUILDKIT = GoModule(
     "buildkit", "github.com/moby/buildkit", BUILDKIT_VERSION,
     ("cmd/buildkitd", "cmd/buildctl"), BUILDKIT_BINARIES,
     ("github.com/moby/buildkit/version.Version",),
+)
+KUEUE = GoModule(
+    "kueue", "sigs.k8s.io/kueue", KUEUE_VERSION, ("cmd/kueue",), KUEUE_BINARIES,
+    ("sigs.k8s.io/kueue/pkg/version.GitVersion",),
 )
 
 _STAMP = ".complete"
