@@ -72,8 +72,9 @@ def _db_secret(run: BatchRunSpec) -> tuple[str, str]:
 def _parse(body: kopf.Body) -> BatchRunSpec:
     obj = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
            "metadata": dict(body.metadata), "spec": dict(body.spec)}
-    return parse_batchrun(plain(obj), source=f"BatchRun {body.metadata.namespace}/"
-                          f"{body.metadata.name}")
+    run = parse_batchrun(plain(obj), source=f"BatchRun {body.metadata.namespace}/"
+                         f"{body.metadata.name}")
+    return kueue.with_default_queue(run, body.metadata.namespace, CONFIG.kueue_default_queues)
 
 
 def _status(status: kopf.Status) -> dict[str, Any]:

@@ -16,7 +16,7 @@ and ``status.admission``. Pure functions, apart from the two API calls at the en
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jobrunner.features.manifest import BatchRunSpec
@@ -28,6 +28,16 @@ PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 MIN_PARALLELISM_ANNOTATION = "kueue.x-k8s.io/job-min-parallelism"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 GROUP, VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
+
+
+def with_default_queue(run: BatchRunSpec, namespace: str,
+                       defaults: Mapping[str, str]) -> BatchRunSpec:
+    """The run with its namespace's default LocalQueue (chart value
+    kueue.defaultQueueNames) when it names none and has a Job of its own."""
+    queue = defaults.get(namespace)
+    if run.queue_name or run.pool is not None or not queue:
+        return run
+    return replace(run, queue_name=queue)
 
 
 def job_labels(run: BatchRunSpec) -> dict[str, str]:
