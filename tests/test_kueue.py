@@ -154,3 +154,50 @@ def test_deactivated_and_finished():
     a = kueue.admission(workload(("Finished", "True", "Succeeded", "Job finished successfully"),
                                  ("Admitted", "True", "Admitted", ""), admission=ASSIGNED), 2)
     assert a.state == "Finished" and a.condition_status() is None
+
+
+def test_a_namespace_default_queue_applies_to_runs_that_name_none():
+    defaults = {"ns": "team-a"}
+    assert kueue.with_default_queue(run_of(), "ns", defaults).queue_name == "team-a"
+    assert kueue.with_default_queue(run_of(), "other", defaults).queue_name is None
+    assert kueue.with_default_queue(run_of(queueName="mine"), "ns", defaults).queue_name == "mine"
+    pooled = parse_batchrun({"apiVersion": "jobrunner.dev/v1alpha1", "kind": "BatchRun",
+                             "metadata": {"name": "r", "namespace": "ns"},
+                             "spec": {"tenant": "t", "shardRange": {"count": 3},
+                                      "handler": "m:f", "pool": "p"}})
+    assert kueue.with_default_queue(pooled, "ns", defaults).queue_name is None
+
+
+def test_the_default_queues_come_from_the_charts_json():
+    from jobrunner.operator.config import _queues
+
+    assert _queues('{"a": "team-a"}') == {"a": "team-a"} and _queues("") == {}
+    with pytest.raises(ValueError, match="JSON object of namespace: LocalQueue name"):
+        _queues('["team-a"]')
+
+
+def test_a_pool_in_a_queue_labels_its_deployment_and_pods():
+    from jobrunner.operator.workerpool import build_deployment, parse_workerpool
+
+    pool = parse_workerpool({"metadata": {"name": "p", "namespace": "ns"},
+                             "spec": {"handlers": ["m:f"], "maxReplicas": 3,
+                                      "queueName": "team-a", "priorityClassName": "low"}})
+    deploy = build_deployment(pool, 2)
+    for labels in (deploy["metadata"]["labels"],
+                   deploy["spec"]["template"]["metadata"]["labels"]):
+        assert labels[kueue.QUEUE_LABEL] == "team-a"
+        assert labels[kueue.PRIORITY_CLASS_LABEL] == "low"
+    plain = build_deployment(parse_workerpool({"metadata": {"name": "p", "namespace": "ns"},
+                                               "spec": {"handlers": ["m:f"],
+                                                        "maxReplicas": 3}}), 2)
+    assert kueue.QUEUE_LABEL not in plain["spec"]["template"]["metadata"]["labels"]
+    with pytest.raises(BadInput, match="applies to a pool admitted by Kueue"):
+        parse_workerpool({"metadata": {"name": "p"},
+                          "spec": {"handlers": ["m:f"], "maxReplicas": 3,
+                                   "priorityClassName": "low"}})
+
+
+def test_a_gated_pod_waits_for_admission():
+    assert kueue.gated({"spec": {"schedulingGates": [{"name": kueue.ADMISSION_GATE}]}})
+    assert not kueue.gated({"spec": {"schedulingGates": [{"name": "other"}]}})
+    assert not kueue.gated({"spec": {}})

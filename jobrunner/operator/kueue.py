@@ -15,6 +15,7 @@ and ``status.admission``. Pure functions, apart from the two API calls at the en
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,6 +29,22 @@ PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 MIN_PARALLELISM_ANNOTATION = "kueue.x-k8s.io/job-min-parallelism"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 GROUP, VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
+
+
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")
+# The scheduling gate Kueue's pod webhook puts on a pod it manages until it is admitted.
+ADMISSION_GATE = "kueue.x-k8s.io/admission"
+
+
+def valid_name(value: object) -> bool:
+    """A LocalQueue's or WorkloadPriorityClass's name that also fits a label value."""
+    return isinstance(value, str) and bool(_NAME.match(value))
+
+
+def gated(pod: Mapping[str, Any]) -> bool:
+    """The pod waits for Kueue's admission."""
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return any(g.get("name") == ADMISSION_GATE for g in gates)
 
 
 def with_default_queue(run: BatchRunSpec, namespace: str,

@@ -315,3 +315,55 @@ def test_kueue_values_render_the_workload_rbac_and_default_queues(k8s):
     r = k8s.helm("template", "jr", str(chart), "--set", "kueue.defaultQueueNames.a=Bad_Q",
                  check=False)
     assert r.returncode != 0 and "/kueue/defaultQueueNames/a" in r.stderr, r.stderr
+
+
+def test_worker_pool_scaled_out_beyond_quota_waits_for_admission(
+        k8s, namespace, dsn, tmp_path, queues):
+    """A WorkerPool in a queue of quota for one worker: a scale-out to three leaves two
+    pods gated by Kueue (status.queuedReplicas 2), the admitted one drains the pool's run
+    anyway, and scaling in to zero frees the quota (another run's Job is admitted)."""
+    from .test_worker_pool_e2e import workerpool
+
+    q = queues.make(cpu=WORKER_CPU)
+    apply_crds(k8s)
+    create_db_secret(k8s, namespace, dsn)
+    c = Controller(k8s, namespace, tmp_path / "controller.log",
+                   values=("kueue.enabled=true",), JOBRUNNER_POOL_SCALE_SECONDS="1").start()
+    try:
+        apply(k8s, namespace, workerpool("pool", {
+            "handlers": ["tests.support.handlers:record"], "minReplicas": 0,
+            "maxReplicas": 3, "targetTasksPerReplica": 1,
+            "scaleDownStabilizationWindowSeconds": 2, "queueName": q,
+            "template": {"resources": {"requests": {"cpu": WORKER_CPU}}}, **FAST}))
+        apply(k8s, namespace, batchrun("in-pool", {
+            "tenant": "t", "pool": "pool", "handler": "tests.support.handlers:record",
+            "shards": [{"key": f"k{i}", "payload": {"sleep": 1.0}} for i in range(6)]}))
+        pool = wait_for("two workers queued", lambda: (
+            p if ((p := get(k8s, "workerpool", "pool", namespace) or {}).get("status") or {})
+            .get("queuedReplicas") == 2 else None), controller=c,
+            show=lambda: (get(k8s, "workerpool", "pool", namespace) or {}).get("status"))
+        assert pool["status"]["desiredReplicas"] == 3
+        admitted = {x["type"]: x for x in pool["status"]["conditions"]}["Admitted"]
+        assert admitted["status"] == "False" and admitted["reason"] == "WaitingForAdmission"
+        pods = json.loads(k8s.kubectl("get", "pods", "-n", namespace, "-l",
+                                      "jobrunner.dev/workerpool=pool", "-o", "json").stdout)
+        gated = [p for p in pods["items"] if p["spec"].get("schedulingGates")]
+        assert len(gated) == 2 and all(p["status"].get("phase") == "Pending" for p in gated)
+        assert all(p["metadata"]["labels"].get("kueue.x-k8s.io/queue-name") == q
+                   for p in pods["items"])
+        wait_for("the pool's run succeeded", lambda: status(k8s, "in-pool", namespace)
+                 .get("phase") == "Succeeded", controller=c,
+                 show=lambda: status(k8s, "in-pool", namespace))
+        with psycopg.connect(dsn) as conn:
+            workers = {w for (w,) in conn.execute("SELECT DISTINCT worker FROM exec_log")}
+        assert len(workers) == 1, workers  # only the admitted pod ever ran
+        # Scaled in to zero: the quota is free again, a run's Job is admitted.
+        wait_for("the pool scaled to zero", lambda: (
+            (get(k8s, "workerpool", "pool", namespace) or {}).get("status") or {}
+        ).get("replicas") == 0, controller=c)
+        apply(k8s, namespace, batchrun("after", spec(q, tasks=1, sleep=0)))
+        wait_for("a run admitted after the scale-in", lambda: status(
+            k8s, "after", namespace).get("phase") == "Succeeded", controller=c,
+            show=lambda: status(k8s, "after", namespace))
+    finally:
+        c.stop()
