@@ -337,7 +337,8 @@ def test_worker_pool_scaled_out_beyond_quota_waits_for_admission(
             "template": {"resources": {"requests": {"cpu": WORKER_CPU}}}, **FAST}))
         apply(k8s, namespace, batchrun("in-pool", {
             "tenant": "t", "pool": "pool", "handler": "tests.support.handlers:record",
-            "shards": [{"key": f"k{i}", "payload": {"sleep": 1.0}} for i in range(6)]}))
+            "shards": [{"key": f"k{i}", "payload": {"sleep": 1.0}} for i in range(6)]},
+            test_handlers=False))  # (the pool's pods have them)
         pool = wait_for("two workers queued", lambda: (
             p if ((p := get(k8s, "workerpool", "pool", namespace) or {}).get("status") or {})
             .get("queuedReplicas") == 2 else None), controller=c,
