@@ -294,6 +294,49 @@ def test_partial_admission_finishes_with_fewer_workers(k8s, namespace, dsn, queu
     assert job_of(k8s, namespace, "partial")["spec"]["parallelism"] == 2
 
 
+def test_pods_that_cannot_start_deactivate_the_workload_and_free_the_quota(
+        k8s, namespace, dsn, tmp_path, queues):
+    """A run in a queue whose worker image is missing fails after the pod-start timeout as
+    without Kueue, but the controller stops its workers by deactivating the Job's Workload
+    (Kueue suspends the Job and frees the quota), not by suspending the Job itself, which
+    Kueue would take back. The quota is then free for the next run."""
+    q = queues.make(cpu=WORKER_CPU)
+    apply_crds(k8s)
+    create_db_secret(k8s, namespace, dsn)
+    c = Controller(k8s, namespace, tmp_path / "controller.log",
+                   values=("kueue.enabled=true",),
+                   JOBRUNNER_POD_START_TIMEOUT_SECONDS="8").start()
+    try:
+        apply(k8s, namespace, batchrun("no-image", spec(
+            q, tasks=2, sleep=0,
+            template={"image": "jobrunner:no-such-tag", "imagePullPolicy": "Never"})))
+        st = wait_for("no-image failed", lambda: (
+            s if (s := status(k8s, "no-image", namespace)).get("phase") == "Failed"
+            else None), controller=c, show=lambda: status(k8s, "no-image", namespace))
+        assert {x["type"]: x for x in st["conditions"]}["Failed"]["reason"] == \
+            "ErrImageNeverPull"
+        workload = st["admission"]["workload"]
+        wait_for("the Workload deactivated and evicted", lambda: (
+            (w := get(k8s, "workload", workload, namespace) or {})["spec"].get("active")
+            is False and any(x["type"] == "Evicted" and x["status"] == "True"
+                             and x["reason"] == "Deactivated"
+                             for x in (w.get("status") or {}).get("conditions") or [])),
+            show=lambda: get(k8s, "workload", workload, namespace))
+        job = job_of(k8s, namespace, "no-image")
+        wait_for("its pods gone", lambda: not pods_of_job(k8s, namespace,
+                                                          job["metadata"]["name"]))
+        assert job_of(k8s, namespace, "no-image")["spec"]["suspend"] is True
+        # (the controller's JobUpdated Events would show a suspend it wrote)
+        assert "JobUpdated" not in reasons(k8s, namespace, "no-image")
+        assert tasks(dsn, st["batchId"]) == {"k0": ("pending", 0), "k1": ("pending", 0)}
+        apply(k8s, namespace, batchrun("next", spec(q, tasks=1, sleep=0)))
+        wait_for("the next run admitted and done", lambda: status(
+            k8s, "next", namespace).get("phase") == "Succeeded", controller=c,
+            show=lambda: status(k8s, "next", namespace))
+    finally:
+        c.stop()
+
+
 def test_kueue_values_render_the_workload_rbac_and_default_queues(k8s):
     chart = Path(__file__).resolve().parents[2] / "charts" / "jobrunner"
     import yaml
