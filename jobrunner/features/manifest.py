@@ -39,7 +39,7 @@ SPEC_FIELDS = {
     "batchSize", "visibilityTimeoutSeconds", "heartbeatSeconds", "maxAttempts",
     "backoffBaseSeconds", "backoffCapSeconds", "activeDeadlineSeconds", "handler",
     "command", "template", "database", "suspend", "reduce", "limits", "tokens", "budget",
-    "pool", "priority",
+    "pool", "priority", "queueName", "priorityClassName", "minWorkers",
 }
 BUDGET_FIELDS = {"tokens", "cost"}
 # spec.budget.cost: a decimal string (Kubernetes API conventions avoid floats in specs;
@@ -122,6 +122,11 @@ class BatchRunSpec:
     # spec.pool: a WorkerPool of the run's namespace serves it (no Job); docs/pools.md
     pool: str | None = None
     priority: int = 0
+    # Kueue (docs/kueue.md): the LocalQueue that admits the run's Job, its
+    # WorkloadPriorityClass, and the fewest workers it may be admitted with.
+    queue_name: str | None = None
+    priority_class: str | None = None
+    min_workers: int | None = None
 
     def effective_deadline(self) -> int:
         """The Job's activeDeadlineSeconds: the user's, or a safe default that outlives any
@@ -277,10 +282,12 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest", *,
 
     pool, priority = _pool(spec, where, generator=generator, command=command,
                            suspend=suspend)
+    workers = _int(spec, "workers", 1, 1, 1000, where) or 1
+    queue_name, priority_class, min_workers = _kueue(spec, where, pool=pool, workers=workers)
     return BatchRunSpec(
         name=name, namespace=meta.get("namespace") or "default", tenant=tenant,
         batch_id=batch_id, tasks=tasks,
-        workers=_int(spec, "workers", 1, 1, 1000, where) or 1,
+        workers=workers,
         concurrency=_int(spec, "concurrency", 1, 1, 100, where) or 1,
         batch_size=_int(spec, "batchSize", 1, 1, 1000, where) or 1,
         visibility_timeout=vis, heartbeat=heartbeat,
@@ -290,7 +297,8 @@ def parse_batchrun(obj: Mapping[str, Any], source: str = "manifest", *,
         template=template, database=database, suspend=suspend,
         reduce=parse_reduce(spec.get("reduce"), where, max_attempts),
         limits=limits, tokens=tokens, budget_tokens=budget_tokens, budget_cost=budget_cost,
-        generator=generator, config_map=config_map, pool=pool, priority=priority)
+        generator=generator, config_map=config_map, pool=pool, priority=priority,
+        queue_name=queue_name, priority_class=priority_class, min_workers=min_workers)
 
 
 _POOL_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -323,6 +331,38 @@ def _pool(spec: Mapping[str, Any], where: str, *, generator: Any, command: Any, 
         raise BadInput(f"{where}: spec.pool: the pool's workers have the WorkerPool's "
                        "spec.template; a run in a pool takes none")
     return pool, priority
+
+
+# A LocalQueue's or WorkloadPriorityClass's name goes into a label value: a DNS
+# subdomain that also fits a label's 63 characters.
+_LABEL_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")
+
+
+def _kueue(spec: Mapping[str, Any], where: str, *, pool: str | None, workers: int
+           ) -> tuple[str | None, str | None, int | None]:
+    """spec.queueName, spec.priorityClassName and spec.minWorkers (docs/kueue.md), checked
+    as the CRD and Kueue's own webhook check them, so a bad value fails the run here rather
+    than as a Job the API server refuses."""
+    queue, klass = spec.get("queueName"), spec.get("priorityClassName")
+    for name, value in (("queueName", queue), ("priorityClassName", klass)):
+        if value is not None and (not isinstance(value, str) or not _LABEL_NAME.match(value)):
+            raise BadInput(f"{where}: spec.{name} must be a Kueue object's name (a DNS "
+                           f"subdomain of at most 63 characters), got {value!r}")
+    min_workers = _int(spec, "minWorkers", None, 1, 1000, where)
+    if queue is None:
+        for name in ("priorityClassName", "minWorkers"):
+            if spec.get(name) is not None:
+                raise BadInput(f"{where}: spec.{name} applies to a run admitted by Kueue: "
+                               "set spec.queueName")
+        return None, None, None
+    if pool is not None:
+        raise BadInput(f"{where}: spec.queueName: a run in a pool has no Job of its own; "
+                       "set the WorkerPool's spec.queueName instead")
+    if min_workers is not None and min_workers >= workers:
+        raise BadInput(f"{where}: spec.minWorkers ({min_workers}) must be less than "
+                       f"spec.workers ({workers}): it is the fewest workers Kueue may admit "
+                       "the run with")
+    return queue, klass, min_workers
 
 
 def _flow_control(spec: Mapping[str, Any], where: str

@@ -19,7 +19,7 @@ from jobrunner.features import status as batch_status
 from jobrunner.features.manifest import BatchRunSpec, parse_batchrun
 from jobrunner.model.errors import BadInput, UnknownBatch
 from jobrunner.operator import batchrun_pools as pool_runs
-from jobrunner.operator import flowcontrol, kube, metrics, pods
+from jobrunner.operator import flowcontrol, kube, kueue, metrics, pods
 from jobrunner.operator.config import CONFIG, GROUP, PLURAL, VERSION
 from jobrunner.operator.database import DatabaseProblem, queue_for, read_dsn
 from jobrunner.operator.jobs import api_error_detail, build_job, default_batch_id, job_name
@@ -72,8 +72,9 @@ def _db_secret(run: BatchRunSpec) -> tuple[str, str]:
 def _parse(body: kopf.Body) -> BatchRunSpec:
     obj = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
            "metadata": dict(body.metadata), "spec": dict(body.spec)}
-    return parse_batchrun(plain(obj), source=f"BatchRun {body.metadata.namespace}/"
-                          f"{body.metadata.name}")
+    run = parse_batchrun(plain(obj), source=f"BatchRun {body.metadata.namespace}/"
+                         f"{body.metadata.name}")
+    return kueue.with_default_queue(run, body.metadata.namespace, CONFIG.kueue_default_queues)
 
 
 def _status(status: kopf.Status) -> dict[str, Any]:
@@ -193,6 +194,11 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
         rc.new["generator"] = _generator_status(gen, counts)
         _generator_condition(rc, gen, counts)
     phase, reason, message = job_run_phase(run, job, counts, batch_id, batch.reduce, gen)
+    workload = None
+    if kueue.managed(job):
+        admission, workload = _kueue_admission(rc, run, job)
+        if phase == "Running" and job["spec"].get("suspend"):
+            phase, reason, message = _waiting_for_kueue(admission, message)
     if phase == "Running":
         stuck = _worker_health(rc, job)
         if stuck is not None:
@@ -201,8 +207,70 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
                        f"{pods.START_TIMEOUT:g}s. {message}. Unfinished tasks stay in the queue: "
                        "retry with a new BatchRun with source: {external: {}} and batchId "
                        f"{batch_id}")
-            _stop_job(job)
+            _stop_job(job, workload)
     _finish(rc, phase, reason, message, counts, flow)
+
+
+def _kueue_admission(rc: Reconcile, run: BatchRunSpec, job: dict[str, Any]
+                     ) -> tuple[kueue.Admission | None, dict[str, Any] | None]:
+    """The Workload Kueue made for the run's Job, read into status.admission and the
+    Admitted condition, with an Event on each change; spec.suspend becomes the Workload's
+    spec.active (Kueue then suspends the Job: the controller never does). None when the
+    Workload cannot be read this time (no verdict)."""
+    asked = run.workers
+    try:
+        workload = kueue.read_workload(rc.namespace, job["metadata"]["uid"])
+    except kueue.KueueAbsent as exc:
+        message = safe(f"{exc} The Job stays suspended until Kueue admits it.")
+        previous = rc.previous("Admitted")
+        rc.condition("Admitted", False, "KueueNotInstalled", message)
+        rc.new["admission"] = {"queueName": run.queue_name, "state": "Pending",
+                               "reason": "KueueNotInstalled", "message": message,
+                               "askedWorkers": asked, "admittedWorkers": 0}
+        if not previous or previous.get("reason") != "KueueNotInstalled":
+            rc.event("Warning", "KueueNotInstalled", message)
+        return kueue.Admission("Pending", "KueueNotInstalled", message, asked_workers=asked), None
+    except ApiError as exc:
+        log.warning("reading the Workload of Job %s: HTTP %s", job["metadata"]["name"],
+                    exc.status)
+        return None, None
+    if workload is not None:
+        active = (workload.get("spec") or {}).get("active", True) is not False
+        if active == run.suspend and not job_finished(job):
+            try:
+                kueue.set_active(rc.namespace, workload["metadata"]["name"], not run.suspend)
+                rc.event("Normal", "WorkloadDeactivated" if run.suspend else "WorkloadActivated",
+                         f"Workload {workload['metadata']['name']}: spec.active "
+                         f"{str(not run.suspend).lower()} (spec.suspend "
+                         f"{str(run.suspend).lower()})")
+            except ApiError as exc:
+                log.warning("could not set Workload %s active: HTTP %s",
+                            workload["metadata"]["name"], exc.status)
+    admission = kueue.admission(workload, asked)
+    rc.new["admission"] = admission.as_status(run.queue_name or "")
+    previous = rc.previous("Admitted")
+    rc.condition("Admitted", admission.condition_status(), admission.reason,
+                 safe(admission.message))
+    # (an Event per change of state, not per new wording of Kueue's pending message)
+    changed = not previous or previous.get("reason") != admission.reason
+    if changed and admission.state != "NoWorkload":
+        reason = {"Admitted": "Admitted", "Evicted": "SuspendedByKueue",
+                  "Finished": "WorkloadFinished"}.get(admission.state, "QueuedByKueue")
+        rc.event("Normal", reason, admission.message)
+    return admission, workload
+
+
+def _waiting_for_kueue(admission: kueue.Admission | None, summary: str
+                       ) -> tuple[str, str, str]:
+    """The phase of a run whose Job Kueue keeps suspended: Pending until its first
+    admission, Suspended (SuspendedByKueue) after an eviction, until admitted again."""
+    if admission is None:
+        return "Pending", "WaitingForAdmission", f"waiting for Kueue to admit the Job; {summary}"
+    if admission.state == "Evicted":
+        return "Suspended", "SuspendedByKueue", (
+            f"Suspended by Kueue: {admission.message}; the workers released their tasks; "
+            f"the run resumes when Kueue admits it again; {summary}")
+    return "Pending", "WaitingForAdmission", f"{admission.message}; {summary}"
 
 
 def _deadline_source(run: BatchRunSpec) -> str:
@@ -453,6 +521,8 @@ def _ensure_job(rc: Reconcile, run: BatchRunSpec, batch_id: str, secret: str,
                                           delay=5) from None
             job = kube.read_job(ns, name)
         return job
+    if kueue.managed(job):
+        return _update_kueue_job(rc, run, job)
     changes: dict[str, Any] = {}
     if job["spec"].get("parallelism") != run.workers:
         changes["parallelism"] = run.workers
@@ -461,6 +531,25 @@ def _ensure_job(rc: Reconcile, run: BatchRunSpec, batch_id: str, secret: str,
     if changes:
         job = kube.patch_job(ns, name, {"spec": changes})
         rc.event("Normal", "JobUpdated", f"Job {name}: {changes}")
+    return job
+
+
+def _update_kueue_job(rc: Reconcile, run: BatchRunSpec, job: dict[str, Any]) -> dict[str, Any]:
+    """A spec change on a Job Kueue admits: never its suspend (Kueue's) nor its pod
+    template (Kueue injects node selectors into it). Workers change only while the Job is
+    suspended (Kueue sets the parallelism of an admitted one: partial admission); the
+    WorkloadPriorityClass label may change at any time (Kueue re-reads it)."""
+    meta = job["metadata"]
+    patch: dict[str, Any] = {}
+    if (job["spec"].get("suspend") and job["spec"].get("parallelism") != run.workers
+            and not job_finished(job)):
+        patch["spec"] = {"parallelism": run.workers}
+    label = (meta.get("labels") or {}).get(kueue.PRIORITY_CLASS_LABEL)
+    if label != run.priority_class:
+        patch["metadata"] = {"labels": {kueue.PRIORITY_CLASS_LABEL: run.priority_class}}
+    if patch:
+        job = kube.patch_job(meta["namespace"], meta["name"], patch)
+        rc.event("Normal", "JobUpdated", f"Job {meta['name']}: {patch}")
     return job
 
 
@@ -487,13 +576,20 @@ def _worker_health(rc: Reconcile, job: dict[str, Any]) -> pods.PodProblem | None
     return None
 
 
-def _stop_job(job: dict[str, Any]) -> None:
-    """Suspend a Job whose pods can never start: its pods go, the run has failed."""
+def _stop_job(job: dict[str, Any], workload: dict[str, Any] | None) -> None:
+    """Stop the workers of a Job whose pods can never start: its pods go, the run has
+    failed. A Job Kueue admits is not suspended by the controller (Kueue would unsuspend
+    it, or count it as stopped by the user): its Workload is deactivated instead, and
+    Kueue suspends the Job and frees its quota."""
     meta = job["metadata"]
     try:
-        kube.patch_job(meta["namespace"], meta["name"], {"spec": {"suspend": True}})
+        if kueue.managed(job):
+            if workload is not None:
+                kueue.set_active(meta["namespace"], workload["metadata"]["name"], False)
+        else:
+            kube.patch_job(meta["namespace"], meta["name"], {"spec": {"suspend": True}})
     except ApiError as exc:
-        log.warning("could not suspend Job %s: HTTP %s", meta["name"], exc.status)
+        log.warning("could not stop the workers of Job %s: HTTP %s", meta["name"], exc.status)
 
 
 def _milestone_events(rc: Reconcile, counts: dict[str, int], phase: str, message: str) -> None:

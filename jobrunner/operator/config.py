@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GROUP, VERSION, PLURAL = "jobrunner.dev", "v1alpha1", "batchruns"
 POOL_PLURAL = "workerpools"
@@ -21,6 +22,9 @@ class Config:
     worker_host_network: bool = False
     # How often each WorkerPool's queue depth is read and its Deployment scaled.
     pool_scale_seconds: float = 10.0
+    # Kueue (chart value kueue.defaultQueueNames): the LocalQueue of each namespace's runs
+    # that name none.
+    kueue_default_queues: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> Config:
@@ -36,7 +40,20 @@ class Config:
             worker_host_network=env.get("JOBRUNNER_WORKER_HOST_NETWORK", "").lower()
             in ("1", "true", "yes"),
             pool_scale_seconds=float(env.get("JOBRUNNER_POOL_SCALE_SECONDS", "10")),
+            kueue_default_queues=_queues(env.get("JOBRUNNER_KUEUE_DEFAULT_QUEUES", "")),
         )
+
+
+def _queues(text: str) -> dict[str, str]:
+    """{namespace: LocalQueue} from JSON; the chart's schema checked the names."""
+    if not text.strip():
+        return {}
+    value = json.loads(text)
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError("JOBRUNNER_KUEUE_DEFAULT_QUEUES must be a JSON object of "
+                         "namespace: LocalQueue name")
+    return value
 
 
 CONFIG = Config.from_env()

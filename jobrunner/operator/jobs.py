@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jobrunner.features.manifest import TMP_PATH, TMP_VOLUME, WORKER_CONTAINER, BatchRunSpec
+from jobrunner.operator import kueue
 from jobrunner.operator.config import CONFIG
 from jobrunner.operator.kube import ApiError
 
@@ -77,16 +78,22 @@ def build_job(run: BatchRunSpec, *, name: str, namespace: str, batch_id: str,
         env=[{"name": "JOBRUNNER_BATCH_ID", "value": batch_id}],
         secret_name=secret_name, secret_key=secret_key, labels=labels,
         restart_policy="Never")
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace,
+                                "labels": {**labels, **kueue.job_labels(run)}}
+    if annotations := kueue.job_annotations(run):
+        metadata["annotations"] = annotations
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "metadata": metadata,
         "spec": {
             "parallelism": run.workers,
             # No completions: the work-queue pattern. Pods exit 0 once the batch is drained.
             "activeDeadlineSeconds": run.effective_deadline(),
             "backoffLimit": backoff_limit(run.workers),
-            "suspend": run.suspend,
+            # A Job Kueue admits is created suspended: Kueue unsuspends it on admission
+            # (its webhook would suspend it anyway).
+            "suspend": run.suspend or run.queue_name is not None,
             "template": template,
         },
     }

@@ -279,6 +279,13 @@ def delete_custom(group: str, version: str, namespace: str, plural: str, name: s
                    body=options)
 
 
+def patch_custom(group: str, version: str, namespace: str, plural: str, name: str,
+                 patch: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch of a custom object (its spec or metadata)."""
+    return request("PATCH", _ns(namespace, plural, name, group=group, version=version),
+                   body=patch, content_type=MERGE_PATCH)
+
+
 def patch_custom_status(group: str, version: str, namespace: str, plural: str, name: str,
                         patch: dict[str, Any]) -> dict[str, Any]:
     """A JSON merge patch of the status subresource (custom resources have no strategic

@@ -27,7 +27,7 @@ import kopf
 
 from jobrunner.features.manifest import parse_template
 from jobrunner.model.errors import BadInput
-from jobrunner.operator import kube, metrics, scaling
+from jobrunner.operator import kube, kueue, metrics, scaling
 from jobrunner.operator.config import CONFIG, GROUP, POOL_PLURAL, VERSION
 from jobrunner.operator.database import DatabaseProblem, queue_for, read_dsn
 from jobrunner.operator.jobs import (
@@ -65,6 +65,17 @@ class WorkerPoolSpec:
     window: int = 300
     template: dict[str, Any] = field(default_factory=dict)
     database: dict[str, Any] = field(default_factory=dict)
+    # Kueue's Deployment integration (docs/kueue.md)
+    queue_name: str | None = None
+    priority_class: str | None = None
+
+    def kueue_labels(self) -> dict[str, str]:
+        labels: dict[str, str] = {}
+        if self.queue_name:
+            labels[kueue.QUEUE_LABEL] = self.queue_name
+            if self.priority_class:
+                labels[kueue.PRIORITY_CLASS_LABEL] = self.priority_class
+        return labels
 
     @property
     def queue_pool(self) -> str:
@@ -138,6 +149,14 @@ def parse_workerpool(obj: dict[str, Any]) -> WorkerPoolSpec:
         raise BadInput(f"{where}: spec.backoffCapSeconds must be at least "
                        "spec.backoffBaseSeconds")
     database = dict(spec.get("database") or {})
+    queue, klass = spec.get("queueName"), spec.get("priorityClassName")
+    for key, value in (("queueName", queue), ("priorityClassName", klass)):
+        if value is not None and not kueue.valid_name(value):
+            raise BadInput(f"{where}: spec.{key} must be a Kueue object's name (a DNS "
+                           f"subdomain of at most 63 characters), got {value!r}")
+    if klass is not None and queue is None:
+        raise BadInput(f"{where}: spec.priorityClassName applies to a pool admitted by "
+                       "Kueue; set spec.queueName")
     return WorkerPoolSpec(
         name=name, namespace=ns, handlers=tuple(handlers), max_replicas=max_replicas,
         min_replicas=min_replicas, concurrency=concurrency,
@@ -145,14 +164,18 @@ def parse_workerpool(obj: dict[str, Any]) -> WorkerPoolSpec:
         heartbeat=heartbeat, backoff_base=base, backoff_cap=cap,
         target_per_replica=integer("targetTasksPerReplica", concurrency, 1, 100_000),
         window=integer("scaleDownStabilizationWindowSeconds", 300, 0, 86400),
-        template=parse_template(spec.get("template"), where), database=database)
+        template=parse_template(spec.get("template"), where), database=database,
+        queue_name=queue, priority_class=klass)
 
 
 def build_deployment(pool: WorkerPoolSpec, replicas: int) -> dict[str, Any]:
     secret, key = pool.db_secret()
     grace = pod_grace_seconds(pool.template)
     labels = {"app.kubernetes.io/name": "jobrunner-worker",
-              "app.kubernetes.io/managed-by": "jobrunner", POOL_LABEL: pool.name}
+              "app.kubernetes.io/managed-by": "jobrunner", POOL_LABEL: pool.name,
+              # Kueue's Deployment integration reads the Deployment's label and its pod
+              # webhook the pods' (where it would copy it to): both carry it.
+              **pool.kueue_labels()}
     template = worker_pod_template(
         pool.template,
         # No --exit-when-drained: resident workers wait for the pool's next batch; the
@@ -267,6 +290,8 @@ def converge(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
                        f"replica(s): {decision.message}")
     ready = (deploy.get("status") or {}).get("readyReplicas") or 0
     have = (deploy.get("status") or {}).get("replicas") or 0
+    if pool.queue_name:
+        conditions = _kueue_admission(body, pool, conditions, new, have, generation)
     new.update(replicas=have, readyReplicas=ready, desiredReplicas=decision.desired,
                pending=pending, running=leased, observedGeneration=generation,
                scaleDown=({"since": _iso(decision.pending_down.since),
@@ -285,6 +310,33 @@ def converge(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch) -> None:
     new["conditions"] = conditions
     apply_status(patch, st, new)
     metrics.record_pool(pool.namespace, pool.name, pending, leased, decision.desired, ready)
+
+
+def _kueue_admission(body: kopf.Body, pool: WorkerPoolSpec, conditions: list[dict[str, Any]],
+                     new: dict[str, Any], have: int, generation: int | None
+                     ) -> list[dict[str, Any]]:
+    """status.queuedReplicas and the Admitted condition: how many worker pods Kueue keeps
+    gated for want of quota (each pod of the Deployment is a Workload of its own); an
+    Event when pods start or stop waiting."""
+    try:
+        found = kube.list_pods(pool.namespace, f"{POOL_LABEL}={pool.name}")
+    except ApiError:
+        return conditions  # (no verdict this time)
+    queued = sum(1 for p in found if kueue.gated(p))
+    before = next((c for c in conditions if c.get("type") == "Admitted"), None)
+    new["queuedReplicas"] = queued
+    if queued:
+        message = (f"{queued} of {len(found)} worker pod(s) wait for Kueue's admission in "
+                   f"LocalQueue {pool.queue_name} (the ClusterQueue's quota is used up)")
+        conditions = set_condition(conditions, "Admitted", False, "WaitingForAdmission",
+                                   message, generation)
+    else:
+        message = f"every worker pod ({len(found)}) admitted by LocalQueue {pool.queue_name}"
+        conditions = set_condition(conditions, "Admitted", True, "Admitted", message,
+                                   generation)
+    if not before or before.get("status") != ("False" if queued else "True"):
+        event(body, "Normal", "WaitingForAdmission" if queued else "Admitted", message)
+    return conditions
 
 
 def _scale_down_state(st: dict[str, Any]) -> scaling.ScaleDown | None:

@@ -66,7 +66,7 @@ class Controller:
     crash that stays down until `start()` creates the next controller pod."""
 
     def __init__(self, k8s, namespace: str, log: Path, metrics_port: int = 0,
-                 cluster_rbac: bool = False, **env: str) -> None:
+                 cluster_rbac: bool = False, values: tuple[str, ...] = (), **env: str) -> None:
         self.k8s, self.namespace, self.log = k8s, namespace, log
         # The chart's namespaced RBAC lives in the watched namespace: deleting that
         # namespace may delete the Role before the BatchRuns' finalizers ran (NOTES.txt:
@@ -74,6 +74,7 @@ class Controller:
         self.cluster_rbac = cluster_rbac
         self.metrics_port = metrics_port or free_port()
         self.extra_env = env
+        self.values = values  # more `--set` values of the chart (kueue.enabled=true, ...)
         self.release = f"c-{namespace}"[:40]
         self.pod = f"{self.release}-controller"
         self.generation = 0
@@ -90,7 +91,8 @@ class Controller:
                 "--set", "controller.refreshSeconds=1", "--set", "controller.logFormat=text",
                 "--set", f"controller.metricsPort={self.metrics_port}",
                 "--set", f"controller.healthPort={free_port()}",
-                "--set", "metrics.service.enabled=false"]
+                "--set", "metrics.service.enabled=false",
+                *(arg for value in self.values for arg in ("--set", value))]
         envs = [*self.k8s.in_cluster_env(),
                 *({"name": k, "value": v} for k, v in self.extra_env.items())]
         for i, e in enumerate(envs):

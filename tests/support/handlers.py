@@ -170,3 +170,14 @@ def effect_after_sleep(task: Task) -> dict:
     jobrunner's keepalive and tcp_user_timeout defaults (tests/test_partition.py)."""
     _sleep(task, float(task.payload.get("sleep", 0)))
     return task.once("write", _effect_of(task))
+
+
+def hold_first_execution(task: Task) -> dict:
+    """Logs the execution; the first execution of a task (of its id, whatever the attempt)
+    sleeps payload.sleep seconds (cooperatively), any later one returns at once: a task
+    released by a stopped worker (its attempt given back) runs quickly the next time."""
+    with _db() as conn:
+        seen = conn.execute("SELECT count(*) FROM exec_log WHERE task_id = %s",
+                            (task.id,)).fetchone()[0]
+    seconds = 0.0 if seen else float(task.payload.get("sleep", 0))
+    return run_logged(task, lambda: (_sleep(task, seconds), {"key": task.key})[1])

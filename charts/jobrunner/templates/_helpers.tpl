@@ -146,6 +146,13 @@ clusterkopfpeerings, or "" for none).
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get]
+{{- if $root.Values.kueue.enabled }}
+# Kueue: a run's admission is read from its Job's Workload; deactivating the Workload
+# (spec.active) is how the controller stops the workers of a Job Kueue admits.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, list, watch, patch]
+{{- end }}
 {{- if .peering }}
 - apiGroups: [kopf.dev]
   resources: [{{ .peering }}]

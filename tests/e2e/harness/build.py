@@ -10,6 +10,7 @@ Binaries land in ``$JOBRUNNER_E2E_CACHE`` (default ``~/.cache/jobrunner-e2e``):
 
     k8s-<K8S_VERSION>/bin/{kube-apiserver,kube-controller-manager,kubectl,etcd}
     helm-<HELM_VERSION>/bin/helm
+    kueue-<KUEUE_VERSION>/bin/kueue, kueue-<KUEUE_VERSION>/assets/config/components/{crd,webhook}
     bin-k8s-<K8S_VERSION>-helm-<HELM_VERSION>/   (symlinks to all of the above; printed)
 
 Versions are pinned here and only here.
@@ -32,6 +33,7 @@ K8S_VERSION = "v1.37.2"  # newest k8s.io/kubernetes that builds with Go 1.26
 HELM_VERSION = "v4.3.2"  # helm.sh/helm/v4 (built against k8s.io/* v0.37.2)
 CONTAINERD_VERSION = "v2.4.2"  # github.com/containerd/containerd/v2
 BUILDKIT_VERSION = "v0.34.2"  # github.com/moby/buildkit
+KUEUE_VERSION = "v0.17.0"  # sigs.k8s.io/kueue (cmd/kueue; its CRDs come from the same module)
 # etcd is go.etcd.io/etcd/server/v3 at the version k8s.io/kubernetes itself requires.
 # runc, the CNI loopback plugin and debootstrap are Debian packages (`make system-deps`).
 # -------------------------------------------------------------------------------
@@ -42,19 +44,27 @@ K8S_BINARIES = (
 HELM_BINARIES = ("helm",)
 CONTAINERD_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr")
 BUILDKIT_BINARIES = ("buildkitd", "buildctl")
-ALL_BINARIES = K8S_BINARIES + HELM_BINARIES + CONTAINERD_BINARIES + BUILDKIT_BINARIES
+KUEUE_BINARIES = ("kueue",)
+ALL_BINARIES = (K8S_BINARIES + HELM_BINARIES + CONTAINERD_BINARIES + BUILDKIT_BINARIES
+                + KUEUE_BINARIES)
 
 
 class GoModule:
     """A plain Go module whose main packages build without replace directives of their own."""
 
     def __init__(self, name: str, module: str, version: str, packages: tuple[str, ...],
-                 binaries: tuple[str, ...], version_vars: tuple[str, ...]) -> None:
+                 binaries: tuple[str, ...], version_vars: tuple[str, ...],
+                 assets: tuple[str, ...] = ()) -> None:
         self.name, self.module, self.version = name, module, version
         self.packages, self.binaries, self.version_vars = packages, binaries, version_vars
+        # Folders of the module's source copied beside the binaries (CRDs, manifests).
+        self.assets = assets
 
     def dir(self) -> Path:
         return cache_root() / f"{self.name}-{self.version}"
+
+    def assets_dir(self) -> Path:
+        return self.dir() / "assets"
 
 
 CONTAINERD = GoModule(
@@ -66,6 +76,12 @@ BUILDKIT = GoModule(
     "buildkit", "github.com/moby/buildkit", BUILDKIT_VERSION,
     ("cmd/buildkitd", "cmd/buildctl"), BUILDKIT_BINARIES,
     ("github.com/moby/buildkit/version.Version",),
+)
+KUEUE = GoModule(
+    "kueue", "sigs.k8s.io/kueue", KUEUE_VERSION, ("cmd/kueue",), KUEUE_BINARIES,
+    ("sigs.k8s.io/kueue/pkg/version.GitVersion",),
+    # its CRDs (and their conversion-webhook patches) and webhook configurations
+    ("config/components/crd", "config/components/webhook"),
 )
 
 _STAMP = ".complete"
@@ -91,7 +107,8 @@ def helm_dir() -> Path:
 def bin_dir() -> Path:
     """The directory holding (symlinks to) every binary the harness uses."""
     return cache_root() / (f"bin-k8s-{K8S_VERSION}-helm-{HELM_VERSION}"
-                           f"-containerd-{CONTAINERD_VERSION}-buildkit-{BUILDKIT_VERSION}")
+                           f"-containerd-{CONTAINERD_VERSION}-buildkit-{BUILDKIT_VERSION}"
+                           f"-kueue-{KUEUE_VERSION}")
 
 
 def _complete(d: Path, names) -> bool:
@@ -321,9 +338,23 @@ def build_helm(force: bool = False) -> Path:
     return out
 
 
+def _copy_assets(m: GoModule, module_dir: Path) -> None:
+    tmp = m.dir() / "assets.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for sub in m.assets:
+        shutil.copytree(module_dir / sub, tmp / sub)
+    for p in tmp.rglob("*"):  # (the module cache is read-only)
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    shutil.rmtree(m.assets_dir(), ignore_errors=True)
+    tmp.replace(m.assets_dir())
+
+
 def build_module(m: GoModule, force: bool = False) -> Path:
     d = m.dir()
     if not force and _complete(d, m.binaries):
+        if m.assets and not m.assets_dir().is_dir():
+            src = d / "src"
+            _copy_assets(m, Path(_mod_download(f"{m.module}@{m.version}", src)["Dir"]))
         return d / "bin"
     t0 = time.monotonic()
     src = d / "src"
@@ -337,6 +368,8 @@ def build_module(m: GoModule, force: bool = False) -> Path:
     _run(["go", "mod", "tidy"], src)
     info = _mod_download(f"{m.module}@{m.version}", src)
     commit = (info.get("Origin") or {}).get("Hash", "")
+    if m.assets:
+        _copy_assets(m, Path(info["Dir"]))
     ldflags = ["-s", "-w", *(f"-X={v}={m.version}" for v in m.version_vars)]
     out = d / "bin"
     out.mkdir(parents=True, exist_ok=True)
@@ -363,6 +396,7 @@ def ensure_binaries(force: bool = False) -> Path:
             HELM_BINARIES: build_helm(force),
             CONTAINERD_BINARIES: build_module(CONTAINERD, force),
             BUILDKIT_BINARIES: build_module(BUILDKIT, force),
+            KUEUE_BINARIES: build_module(KUEUE, force),
         }
         _link(dirs)
     _log(f"binaries ready in {time.monotonic() - t0:.1f}s")
@@ -391,7 +425,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.print_versions:
         print(f"kubernetes {K8S_VERSION}\nhelm {HELM_VERSION}\ncontainerd {CONTAINERD_VERSION}\n"
-              f"buildkit {BUILDKIT_VERSION}")
+              f"buildkit {BUILDKIT_VERSION}\nkueue {KUEUE_VERSION}")
         return 0
     if not go_available() and not binaries_present():
         print("go is not installed and the e2e binaries are not cached", file=sys.stderr)
