@@ -118,36 +118,44 @@ def test_the_leaders_maintenance_is_taken_over_after_kill_9(dsn, conn, tmp_path,
 
 def test_a_waiting_worker_sends_no_statement(dsn, conn, tmp_path, capsys):
     Queue(conn).enqueue("b", "acme", [TaskSpec("first", {})])
-    workers = [start_worker(dsn, "b", HANDLER, log=tmp_path / f"w{i}.log") for i in range(2)]
+    workers = [start_worker(dsn, "b", HANDLER, log=tmp_path / f"w{i}.log") for i in range(3)]
     try:
         wait_for(lambda: _executions(conn, "first") == 1, what="the first task")
         wait_for(lambda: _leader_pid(conn) in {w.pid for w in workers}, what="a leader")
-        waiting = next(w for w in workers if w.pid != _leader_pid(conn))
-        # its queue and heartbeat connections (the notifier's only listens)
-        backends = f"%-{waiting.pid}-%"
-        sql = ("SELECT application_name, state_change FROM pg_stat_activity "
-               "WHERE application_name LIKE %s ORDER BY application_name")
+        ran = _one(conn, "SELECT worker FROM exec_log WHERE task_key = 'first'")["worker"]
+        # neither the leader (it sweeps every second) nor the one that ran the task (it
+        # polls fast for 2 s after a claim: idle_warm)
+        waiting = next(w for w in workers
+                       if w.pid != _leader_pid(conn) and f"-{w.pid}-" not in ran)
+        sql = ("SELECT application_name, state_change, clock_timestamp() AS now "
+               "FROM pg_stat_activity WHERE application_name LIKE %s "
+               "ORDER BY application_name")
+        backends = f"%-{waiting.pid}-%"  # its queue and heartbeat connections
         wait_for(lambda: len(conn.execute(sql, (backends,)).fetchall()) == 2,
                  what="the waiting worker's two connections")
         conn.rollback()
-        time.sleep(0.5)
+        time.sleep(1.0)  # past its start, when it polls fast until its notifier is up
         before = conn.execute(sql, (backends,)).fetchall()
         conn.rollback()
-        # Its last claim found nothing, so its next poll is 5-15 s away (idle_fallback);
-        # its backstop sweep ran at start and runs again 24-36 s later; with no lease it
-        # sends no heartbeat. A worker that polled every 0.2-0.5 s would show here.
-        time.sleep(4.0)
+        last = max(r["state_change"] for r in before)
+        # Its last claim found nothing, so its next poll comes 5-15 s after it
+        # (idle_fallback); its backstop sweep ran at start and runs again 24-36 s later;
+        # holding no lease it sends no heartbeat. Watch until 4.5 s after its last
+        # statement: a worker that polled every 0.2-0.5 s would have sent ten.
+        wait = (last - before[0]["now"]).total_seconds() + 4.5
+        time.sleep(max(0.0, wait))
         after = conn.execute(sql, (backends,)).fetchall()
         conn.rollback()
         leader_pid = _leader_pid(conn)
     finally:
         _stop(*workers)
-    show(capsys, f"a waiting worker over 4 s: its connections' last statements "
-         f"{[str(r['state_change'].time()) for r in before]} -> "
-         f"{[str(r['state_change'].time()) for r in after]}")
+    show(capsys, f"a waiting worker: no statement in the 4.5 s after its last one, watched "
+         f"for the last {wait:.1f} s (its connections' last statements at "
+         f"{[str(r['state_change'].time()) for r in after]})")
     assert leader_pid is not None and leader_pid != waiting.pid
-    assert [r["application_name"] for r in after] == [r["application_name"] for r in before]
-    assert after == before
+    assert wait >= 3.0  # (the window is long enough to mean something)
+    assert [(r["application_name"], r["state_change"]) for r in after] == \
+        [(r["application_name"], r["state_change"]) for r in before]
 
 
 def test_a_retry_starts_at_its_run_after_not_at_the_next_poll(dsn, conn, tmp_path, capsys):

@@ -40,6 +40,10 @@ class WorkerConfig:
     # With a connected notifier a waiting worker sleeps until a note, a known retry time
     # or a limit's room; this slow poll only covers notes that were lost.
     idle_fallback: tuple[float, float] = (5.0, 15.0)
+    # For this long after a claim that got tasks, an idle worker still polls at idle_poll:
+    # work that no note announces (a shard an ack released, rows a concurrent claim held
+    # locked for an instant) is found as quickly as before.
+    idle_warm: float = 2.0
     # --exit-when-drained, its batch still open with nothing to claim (tasks leased by
     # others): how often it looks whether the batch is done. No note says so.
     drain_poll: tuple[float, float] = (1.0, 3.0)

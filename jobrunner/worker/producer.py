@@ -87,6 +87,7 @@ class Producer:
         # (Queue.limit_wait), so the idle sleep ends then instead of a poll later.
         self.limit_wait: float | None = None
         self.notifier = notifier
+        self._claimed_at = float("-inf")  # the last claim that got something (monotonic)
         self.subscription = subscription
         # Set by the notifier when tasks were enqueued into the pool: they may be laid
         # before this worker's scan position, so the next claim scans from the start.
@@ -144,9 +145,12 @@ class Producer:
         notifier, until the earliest retry time it was told of or the slow fallback poll
         (notes wake it earlier); without one, the fast idle poll."""
         cfg, sub = self.config, self.subscription
-        if sub is None or self.notifier is None or not self.notifier.connected.is_set():
-            return random.uniform(*cfg.idle_poll)
         now = time.monotonic()
+        if (sub is None or self.notifier is None or not self.notifier.connected.is_set()
+                or now - self._claimed_at < cfg.idle_warm):
+            # (just busy: a claim can come back empty while work remains that no note
+            # announces, a shard released by an ack, rows locked by concurrent claims)
+            return random.uniform(*cfg.idle_poll)
         sub.clear_due(now)
         # (a few ms late: the retry's row is due by the time the claim reads it)
         due = sub.due_in(now) + random.uniform(0.002, 0.01)
@@ -194,6 +198,8 @@ class Producer:
         with state.lock:
             state.buffer.extend(claimed)
             state.stats["claimed"] += len(claimed)
+        if claimed:
+            self._claimed_at = time.monotonic()
         return claimed
 
     def _reached_max(self) -> bool:
