@@ -30,7 +30,7 @@ from tests.support import pgbouncer
 from tests.support.figures import show
 from tests.support.processes import child_env, start_worker, wait_for
 
-FAST = ["--visibility-timeout", "3", "--heartbeat", "1"]
+FAST = ["--visibility-timeout", "3", "--heartbeat", "1", "--grace-period", "1"]
 HANDLER = "tests.support.handlers:record"
 # A candidate tries to take the leadership every 4-6 s (Notifier.lead_retry), and a
 # killed leader's lock is released when its socket closes (at once on this host): the

@@ -145,16 +145,19 @@ class Producer:
         notifier, until the earliest retry time it was told of or the slow fallback poll
         (notes wake it earlier); without one, the fast idle poll."""
         cfg, sub = self.config, self.subscription
-        now = time.monotonic()
-        if (sub is None or self.notifier is None or not self.notifier.connected.is_set()
-                or now - self._claimed_at < cfg.idle_warm):
-            # (just busy: a claim can come back empty while work remains that no note
-            # announces, a shard released by an ack, rows locked by concurrent claims)
+        if sub is None or self.notifier is None or not self.notifier.connected.is_set():
             return random.uniform(*cfg.idle_poll)
+        now = time.monotonic()
         sub.clear_due(now)
         # (a few ms late: the retry's row is due by the time the claim reads it)
         due = sub.due_in(now) + random.uniform(0.002, 0.01)
-        return max(0.0, min(random.uniform(*cfg.idle_fallback), due))
+        if now - self._claimed_at < cfg.idle_warm:
+            # just busy: a claim can come back empty while work remains that no note
+            # announces (a shard released by an ack, rows a concurrent claim held locked)
+            poll = random.uniform(*cfg.idle_poll)
+        else:
+            poll = random.uniform(*cfg.idle_fallback)
+        return max(0.0, min(poll, due))
 
     def _until_room(self, wait: float) -> float:
         """The idle sleep, cut short to when a full limit has room again: a limit paced at
