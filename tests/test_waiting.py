@@ -192,7 +192,10 @@ def test_through_pgbouncer_the_notifier_connects_directly(dsn, conn, tmp_path, c
             wait_for(lambda: _executions(conn, "first") == 1, what="the first task")
             wait_for(lambda: _leader_pid(conn) == worker.pid,
                      what="the notifier, connected directly, to lead")
-            time.sleep(1.0)  # waiting: its next poll is 4-14 s away
+            # past the 2 s of fast polls after its claim (idle_warm): its next poll is at
+            # least 5 s after its last (idle_fallback), so only a note can start the next
+            # task within 2 s
+            time.sleep(3.0)
             Queue(conn).enqueue("b", "acme", [TaskSpec("second", {})])
             enqueued = _one(conn, "SELECT created_at FROM agent_work_queue "
                             "WHERE task_key = 'second'")["created_at"]
