@@ -155,6 +155,15 @@ def _backends(monitor: psycopg.Connection, db: str) -> int:
                            (db,)).fetchone()[0]
 
 
+def _gone(monitor: psycopg.Connection, fleet: Fleet, bouncer: Bouncer) -> bool:
+    """The fleet's connections are closed (PgBouncer keeps its own server connections)."""
+    if fleet.pooled:
+        return bouncer.clients() == 0 and monitor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND "
+            "application_name LIKE 'jobrunner-notifier%%'", (fleet.db,)).fetchone()[0] == 0
+    return _backends(monitor, fleet.db) == 0
+
+
 def _ready(procs: list[subprocess.Popen]) -> bool:
     for p in procs:
         if p.poll() is not None:
@@ -309,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
                                      if "wake_ms" in run else ""), flush=True)
                         finally:
                             env.stop_processes(procs, timeout=60)
-                            env.wait_until(lambda f=fleet: _backends(monitor, f.db) == 0,
+                            env.wait_until(lambda f=fleet: _gone(monitor, f, bouncer),
                                            120, 0.5, "the pods' connections to close")
     finally:
         if bouncer is not None:
