@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
                     for name in (chosen if rep % 2 == 0 else list(reversed(chosen))):
                         fleet, system = fleets[name], systems[name]
                         system.reset()
+                        if getattr(system, "_conn", None) is not None:
+                            system._conn.close()  # (only the fleet's connections count)
                         procs = fleet.start(pods, logdir)
                         try:
                             env.wait_until(lambda p=procs: _ready(p), 600, 0.5,
