@@ -56,7 +56,10 @@ class Before(Jobrunner):
             sys.modules["jobrunner_before"] = module
             spec.loader.exec_module(module)
         queue = importlib.import_module("jobrunner_before.queue")
-        validation = importlib.import_module("jobrunner_before.validation")
+        try:  # (the layered package: model/validation.py; older trees: validation.py)
+            validation = importlib.import_module("jobrunner_before.model.validation")
+        except ImportError:
+            validation = importlib.import_module("jobrunner_before.validation")
         return queue.Queue, queue.Timing, validation.TaskSpec
 
     def done(self, total: int) -> int:
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--out", type=Path, default=env.REPO / "bench" / "results")
     args = parser.parse_args(argv)
-    if not (args.before / "jobrunner" / "worker.py").exists():
+    if not any((args.before / "jobrunner" / p).exists()
+               for p in ("worker.py", "worker/process.py")):
         parser.error(f"{args.before} has no jobrunner/worker/process.py")
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # clean up
     server = env.Server()

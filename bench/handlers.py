@@ -29,3 +29,11 @@ def sleepy(task: Task) -> None:
     while time.monotonic() < end:
         task.check_lease()
         time.sleep(0.05)
+
+
+def stamp_or_fail_first(task: Task) -> dict:
+    """Wake-up and retry latency (bench/idle_fleet.py): like `stamp`, but a task with
+    payload.fail_first fails its first attempt (retried after the worker's backoff)."""
+    if task.payload.get("fail_first") and task.attempt == 1:
+        raise RuntimeError("first attempt fails on purpose")
+    return {"started": time.time()}

@@ -62,9 +62,12 @@ def test_chaos_soak_through_pgbouncer(own_server, tmp_path, capsys, soak_size):
     bouncer = pgbouncer.PgBouncer(own_server.dsn(), pool_size=20).start()
     try:
         # The documented PgBouncer settings: per-transaction limits instead of session
-        # settings, and no server-side prepared statements (PgBouncer 1.18 cannot keep them).
+        # settings, no server-side prepared statements (PgBouncer 1.18 cannot keep them),
+        # and a direct DSN for each process's notifier (LISTEN and the maintenance
+        # leader's lock, which a transaction pooler cannot carry).
         _soak(own_server, bouncer.dsn, tmp_path, tasks=soak_size, label="pgbouncer",
               capsys=capsys, extra_env={"JOBRUNNER_PREPARED_STATEMENTS": "0",
-                                        "JOBRUNNER_TRANSACTION_POOLING": "1"})
+                                        "JOBRUNNER_TRANSACTION_POOLING": "1",
+                                        "JOBRUNNER_LISTEN_DATABASE_URL": own_server.dsn()})
     finally:
         bouncer.stop()

@@ -130,6 +130,12 @@ def worker(
     grace_period: Annotated[float, typer.Option("--grace-period", min=0, max=86400,
                                                 help="SIGTERM: seconds to finish tasks.")] = 30,
     listen: Annotated[bool, typer.Option(help="LISTEN for enqueue notifications.")] = True,
+    listen_dsn: Annotated[str | None, typer.Option(
+        "--listen-dsn", envvar="JOBRUNNER_LISTEN_DATABASE_URL",
+        help="A direct PostgreSQL DSN for the process's LISTEN connection and maintenance "
+             "election, for workers whose --dsn goes through PgBouncer in transaction mode "
+             "(default: --dsn, unless JOBRUNNER_TRANSACTION_POOLING=1).",
+        show_envvar=False)] = None,
     poll_interval: Annotated[float, typer.Option(
         "--poll-interval", min=0.01, max=3600,
         help="Longest idle sleep between polls (jitter down to 40 %% of it).")] = 0.5,
@@ -172,6 +178,7 @@ def worker(
         batch_size=batch_size, visibility_timeout=visibility_timeout,
         heartbeat_interval=heartbeat, backoff_base=backoff_base, backoff_cap=backoff_cap,
         exit_when_drained=exit_when_drained, grace_period=grace_period, listen=listen,
+        listen_dsn=listen_dsn,
         max_tasks=max_tasks, lost_lease_grace=lost_lease_grace,
         idle_poll=(poll_interval * 0.4, poll_interval))
     def check_batch() -> None:

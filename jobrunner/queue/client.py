@@ -77,6 +77,9 @@ class Queue:
         # After a claim that found nothing: seconds until a limit that is full now has
         # room again (its 'wait' row), or None. The worker sleeps no longer than that.
         self.limit_wait: float | None = None
+        # Failures of the last completion that went back to pending (their retry times are
+        # announced to idle workers: task_retry_notify).
+        self._retried: list[int] = []
         # Batches known to be under flow control (claimed with task_ack_and_claim_limited), and
         # when the others were last checked (batch_flow_control, at most once a second).
         self._flow_batches: set[str] = set()
@@ -308,6 +311,11 @@ class Queue:
                 worker_id, successes, batch_id if claiming else None, limit, after,
                 pool if claiming else None)))
         kept, busy, leases = self._run_completion(failures, steps)
+        if self._retried:
+            # After the commit above, in a statement of its own: only a failure that went
+            # back to pending with a backoff pays for it, never the ack and claim path.
+            retried, self._retried = self._retried, []
+            task_store.notify_retries(self.conn, retried)
         if claiming and not leases and self.limit_wait is None \
                 and statement in (_CLAIM_LIMITED, _CLAIM_POOL_LIMITED):
             self.limit_wait = flow.next_room(self.session)
@@ -391,6 +399,7 @@ class Queue:
         failed_rows, rows = task_store.complete(self.session, steps, len(failures))
         failed = {failure.lease.id for failure, row in zip(failures, failed_rows, strict=True)
                   if row is not None}
+        self._retried = [row[0] for row in failed_rows if row is not None and row[1] == "pending"]
         return self._completed(failed, rows)
 
     def _completed(self, failed: set[int], rows: Sequence[tuple]

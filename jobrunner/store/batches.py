@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
@@ -11,6 +12,8 @@ from jobrunner.store.session import Mode, Session, Statement, run
 
 ENSURE = Statement("batch_ensure")
 NOTIFY = Statement("batch_notify")
+WAKE = Statement("batch_wake")
+REDUCE_DUE = Statement("batch_reduce_due")
 CANCEL = Statement("batch_cancel")
 GET = Statement("batch_get")
 COUNTS = Statement("batch_counts")
@@ -31,6 +34,19 @@ def ensure(conn: psycopg.Connection, batch_id: str, tenant_id: str) -> dict[str,
 
 def notify(conn: psycopg.Connection, batch_id: str) -> None:
     run(conn, NOTIFY, {"batch_id": batch_id})
+
+
+def wake(conn: psycopg.Connection, batch_ids: Sequence[str]) -> None:
+    """Wake the workers of these batches and of their pools (one note each)."""
+    if batch_ids:
+        with conn.transaction():
+            run(conn, WAKE, {"batch_ids": sorted(set(batch_ids))}).fetchall()
+
+
+def reduce_due(conn: psycopg.Connection) -> list[str]:
+    """Every batch whose reduce step may still have to be enqueued."""
+    with conn.transaction():
+        return [r["batch_id"] for r in run(conn, REDUCE_DUE).fetchall()]
 
 
 def get(conn: psycopg.Connection, batch_id: str) -> dict[str, Any] | None:

@@ -69,6 +69,10 @@ READ_ONLY = Statement("session_read_only")
 UTC = Statement("session_utc")
 LISTEN_BATCHES = Statement("session_listen_batches")
 LISTEN_POOLS = Statement("session_listen_pools")
+LISTEN_DUE = Statement("session_listen_due")
+LISTEN_LEADER = Statement("session_listen_leader")
+LEADER_TRY = Statement("session_leader_try")
+LEADER_RESIGN = Statement("session_leader_resign")
 
 # The statement timeout each connection's session was given (see Session._session_settings).
 _session_timeouts: weakref.WeakKeyDictionary[psycopg.Connection, str | None] = (
@@ -87,6 +91,23 @@ def run(conn: psycopg.Connection, statement: Statement, params: Params = None,
 def listen(conn: psycopg.Connection, pools: bool) -> None:
     """Subscribe an autocommit connection to the batches' (or the pools') wake-ups."""
     conn.execute((LISTEN_POOLS if pools else LISTEN_BATCHES).sql)
+
+
+def listen_all(conn: psycopg.Connection) -> None:
+    """Subscribe a process's notifier connection (autocommit) to every wake-up a worker
+    acts on: enqueues of batches and pools, retry times, the leader's hand-over."""
+    for statement in (LISTEN_BATCHES, LISTEN_POOLS, LISTEN_DUE, LISTEN_LEADER):
+        conn.execute(statement.sql)
+
+
+def leader_try(conn: psycopg.Connection) -> bool:
+    """Take this database's maintenance leadership if it is free (held by the session)."""
+    return bool(run(conn, LEADER_TRY).fetchone()["leader"])
+
+
+def leader_resign(conn: psycopg.Connection) -> None:
+    """Announce that this session's leadership ends (its lock goes with the session)."""
+    run(conn, LEADER_RESIGN)
 
 
 @contextmanager

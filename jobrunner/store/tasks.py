@@ -26,6 +26,7 @@ THROTTLE = Statement("task_throttle", Mode.ROUND_TRIP)
 END_MISSING_EFFECTS = Statement("task_end_missing_effects", Mode.ROUND_TRIP)
 HEARTBEAT = Statement("task_heartbeat", Mode.ROUND_TRIP)
 EXPIRE = Statement("task_expire", Mode.ROUND_TRIP)
+RETRY_NOTIFY = Statement("task_retry_notify")
 RELEASE = Statement("task_release")
 REQUEUE_DEAD = Statement("task_requeue_dead")
 LIST_DEAD = Statement("task_list_dead")
@@ -92,6 +93,13 @@ def heartbeat(session: Session, params: Mapping[str, Any]) -> set[int]:
 def expire(session: Session, limit: int) -> list[dict[str, Any]]:
     (cur,) = session.round_trip([(EXPIRE, {"limit": limit})], dict_row)
     return cur.fetchall()
+
+
+def notify_retries(conn: psycopg.Connection, ids: Sequence[int]) -> None:
+    """Tell idle workers when these tasks' retries come due (task_retry_notify)."""
+    if ids:
+        with conn.transaction():  # (its own, whatever the caller's connection mode)
+            run(conn, RETRY_NOTIFY, {"ids": list(ids)}).fetchall()
 
 
 def release(conn: psycopg.Connection, worker_id: str, ids: Sequence[int],

@@ -34,8 +34,29 @@ class WorkerConfig:
     backoff_cap: float = 3600.0
     max_throttles: int = 20  # rate-limited answers (RateLimited, exit 76) before dead
     exit_when_drained: bool = False
+    # Idle sleep between polls when no notifier is connected (--no-listen, or behind a
+    # transaction pooler without a direct listen DSN).
     idle_poll: tuple[float, float] = (0.2, 0.5)
+    # With a connected notifier a waiting worker sleeps until a note, a known retry time
+    # or a limit's room; this slow poll only covers notes that were lost.
+    idle_fallback: tuple[float, float] = (5.0, 15.0)
+    # For this long after a claim that got tasks, an idle worker still polls at idle_poll:
+    # work that no note announces (a shard an ack released, rows a concurrent claim held
+    # locked for an instant) is found as quickly as before.
+    idle_warm: float = 2.0
+    # --exit-when-drained, its batch still open with nothing to claim (tasks leased by
+    # others): how often it looks whether the batch is done. No note says so.
+    drain_poll: tuple[float, float] = (1.0, 3.0)
+    # The maintenance leader's sweep interval (expired leases, due reduces); without a
+    # notifier, every worker sweeps this often, as before leadership existed.
     expire_interval: float = 1.0
+    # A worker that does not lead still sweeps this often (jittered): it rescues what it
+    # can see while the leader is gone (a node lost, so its lock is not released yet).
+    backstop_interval: float = 30.0
+    # The notifier's direct DSN (LISTEN and the leader's advisory lock need a session of
+    # their own): default $JOBRUNNER_LISTEN_DATABASE_URL, else `dsn` unless behind a
+    # transaction pooler (jobrunner/worker/notifier.py).
+    listen_dsn: str | None = None
     grace_period: float = 30.0
     lost_lease_grace: float = 10.0
     claim_timeout_ms: int = 5000

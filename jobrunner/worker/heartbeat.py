@@ -79,6 +79,8 @@ class Heartbeat:
 
     def _beat(self, q: Queue) -> None:
         entries, leases = self.state.held()
+        if not leases:
+            return  # (a waiting worker sends nothing)
         held = q.heartbeat(self.config.worker_id, leases)
         for entry in entries:
             if entry.lease.id not in held:

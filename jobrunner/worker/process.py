@@ -3,12 +3,15 @@
 Roles (each module's docstring states its guarantees):
 - producer.py: the claim loop (the acks of finished tasks and the next claim in one
   statement, Queue.try_complete_and_claim), the hand-off of claimed tasks to handler
-  threads, LISTEN/NOTIFY wake-ups and the idle poll;
+  threads, and the idle sleep (until a note, a retry time, a limit's room, a slow poll);
+- notifier.py: the process's one LISTEN connection, shared by its workers, and its
+  candidacy for the database's maintenance leadership;
 - executor.py: runs one task on a handler thread, outside any transaction, into an
   Outcome; a thread that finishes goes on to its next task itself; lost leases;
 - completer.py: queues outcomes so that their acks ride along with the next claim;
 - heartbeat.py: a thread on its own connection that renews every lease the worker
-  holds, and runs maintenance.py (rescuing expired leases of dead workers);
+  holds, and runs maintenance.py (rescuing expired leases of dead workers: the elected
+  leader every second, the others as a slow backstop);
 - workerstate.py: what the worker holds (buffer, running, unacked) under one lock;
   connection.py: the queue connection the producer, handler threads and shutdown share.
 
@@ -39,6 +42,9 @@ from jobrunner.worker.connection import QueueConnection
 from jobrunner.worker.executor import EXIT_WEDGED, Executor
 from jobrunner.worker.heartbeat import Heartbeat
 from jobrunner.worker.maintenance import LeaseRescuer
+from jobrunner.worker.notifier import LISTEN_DSN_ENV, Notifier, Subscription, listen_dsn
+from jobrunner.worker.notifier import release as release_notifier
+from jobrunner.worker.notifier import shared as shared_notifier
 from jobrunner.worker.producer import Producer
 from jobrunner.worker.state import WorkerState
 
@@ -52,7 +58,7 @@ EXIT_OK = 0
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, notifier: Notifier | None = None) -> None:
         self.config = config
         self.worker_id = config.worker_id
         self.state = WorkerState()
@@ -68,11 +74,37 @@ class Worker:
                                  WithGenerator(WithReduce(config.handler, config.dsn),
                                                config.dsn),
                                  config.concurrency, config.lost_lease_grace)
+        # The process's notifier (one LISTEN connection, the maintenance candidacy), shared
+        # by every worker of the process unless the caller gives one (a bench simulating
+        # many pods in one process gives each its own).
+        self.notifier: Notifier | None = None
+        self._shared_notifier = False
+        self.subscription: Subscription | None = None
+        if config.listen:
+            direct = listen_dsn(config.dsn, config.listen_dsn)
+            if notifier is None and direct is None:
+                log.warning("worker %s: behind a transaction pooler with no direct DSN for "
+                            "LISTEN (--listen-dsn, %s): polling every %.1f-%.1fs, and every "
+                            "worker sweeps for expired leases", config.worker_id,
+                            LISTEN_DSN_ENV, *config.idle_poll)
+            elif notifier is None:
+                notifier = shared_notifier(direct)
+                self._shared_notifier = True
+            if notifier is not None:
+                self.notifier = notifier
+                self.subscription = Subscription(config.batch_id, config.pool,
+                                                 self.state.wake)
         self.producer = Producer(config, self.state, self.conn, self.completer,
-                                 self.executor, self.effects)
+                                 self.executor, self.effects, self.notifier,
+                                 self.subscription)
+        leads = None
+        if self.notifier is not None:
+            notifier_, sub = self.notifier, self.subscription
+            leads = lambda: notifier_.leads(sub)  # noqa: E731
         self.heartbeat = Heartbeat(config, self.state,
                                    LeaseRescuer(config.expire_interval, config.batch_id,
-                                                config.pool))
+                                                config.pool, leads=leads,
+                                                backstop=config.backstop_interval))
         self._threads: list[threading.Thread] = []
 
     @property
@@ -85,9 +117,10 @@ class Worker:
                  "heartbeat %.0fs", self.worker_id,
                  f"pool {cfg.pool}" if cfg.pool else f"batch {cfg.batch_id}", cfg.concurrency,
                  cfg.batch_size, cfg.visibility_timeout, cfg.heartbeat_interval)
+        if self.notifier is not None and self.subscription is not None:
+            self.notifier.subscribe(self.subscription)
+            self.notifier.start()
         self._start_thread(self.heartbeat.run, "heartbeat")
-        if cfg.listen:
-            self._start_thread(self.producer.listen, "listen")
         try:
             self.producer.run()
         finally:
@@ -139,6 +172,10 @@ class Worker:
             if locked:
                 self.conn.lock.release()
         state.force_stop.set()
+        if self.notifier is not None and self.subscription is not None:
+            self.notifier.unsubscribe(self.subscription)
+            if self._shared_notifier:
+                release_notifier(self.notifier)
         self.executor.shutdown()
         self.effects.close()
         self.conn.drop()

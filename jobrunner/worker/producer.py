@@ -9,9 +9,11 @@ Guarantees:
 - It claims only when the buffer of claimed, unstarted tasks is empty: the claim loop
   when a slot is free too, a handler thread when it has just finished a task (its slot
   is the free one). Tasks wait in the buffer, heartbeated, only for a slot to free up.
-- Idle, it sleeps idle_poll with jitter; a NOTIFY for its batch (the LISTEN thread)
-  wakes it early, and polling covers every NOTIFY that is lost (a reconnect,
-  PgBouncer's transaction pooling).
+- Idle with a connected notifier (jobrunner/worker/notifier.py), it sleeps until a note
+  for its batch or pool, the earliest retry time it was told of, a full limit's room
+  (Queue.limit_wait), or the slow fallback poll (idle_fallback, seconds with jitter)
+  that covers lost notes. Without one (--no-listen, a transaction pooler without a
+  direct DSN, the notifier reconnecting) it polls every idle_poll, as before.
 - After max_tasks claims it claims no more and gives back what it has not started;
   with exit_when_drained it returns once a claim found nothing and the batch has
   nothing pending or leased. `release` gives leases back without burning an attempt.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +34,7 @@ from jobrunner.model.types import Lease, Outcome
 from jobrunner.queue.client import Queue
 from jobrunner.runtime.effects import Effects
 from jobrunner.runtime.task import Task
-from jobrunner.store import db, session
+from jobrunner.store import db
 from jobrunner.worker.completer import Completer
 from jobrunner.worker.connection import QueueConnection
 from jobrunner.worker.executor import Executor
@@ -39,6 +42,7 @@ from jobrunner.worker.state import Running, WorkerState
 
 if TYPE_CHECKING:
     from jobrunner.worker.config import WorkerConfig
+    from jobrunner.worker.notifier import Notifier, Subscription
 
 log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker logs on)
 
@@ -68,7 +72,9 @@ class ClaimParams:
 
 class Producer:
     def __init__(self, config: WorkerConfig, state: WorkerState, conn: QueueConnection,
-                 completer: Completer, executor: Executor, effects: Effects) -> None:
+                 completer: Completer, executor: Executor, effects: Effects,
+                 notifier: Notifier | None = None,
+                 subscription: Subscription | None = None) -> None:
         self.config = config
         self.claim = ClaimParams.of(config)
         self.state = state
@@ -80,9 +86,12 @@ class Producer:
         # From the last claim that found nothing: seconds until a full limit has room
         # (Queue.limit_wait), so the idle sleep ends then instead of a poll later.
         self.limit_wait: float | None = None
-        # Set by the LISTEN thread when tasks were enqueued into the pool: they may be laid
+        self.notifier = notifier
+        self._claimed_at = float("-inf")  # the last claim that got something (monotonic)
+        self.subscription = subscription
+        # Set by the notifier when tasks were enqueued into the pool: they may be laid
         # before this worker's scan position, so the next claim scans from the start.
-        self._rescan = threading.Event()
+        self._rescan = subscription.rescan if subscription is not None else threading.Event()
 
     # -- the claim loop ----------------------------------------------------------------
     def run(self) -> None:
@@ -115,16 +124,40 @@ class Producer:
             if claimed:
                 continue
             if state.in_flight() or state.unacked:
-                wait = cfg.idle_poll[1]
+                wait = self._idle_wait() if want else cfg.idle_poll[1]
                 if state.unacked:
                     wait = completer.wait_left(wait)
                 state.sleep(self._until_room(wait) if want else wait)
                 continue
-            if want and cfg.exit_when_drained and not self._batch_open():
-                log.info("worker %s: %s is drained; exiting", self.claim.worker_id,
-                         self.claim.target)
-                return
-            state.sleep(self._until_room(random.uniform(*cfg.idle_poll)))
+            if want and cfg.exit_when_drained:
+                if not self._batch_open():
+                    log.info("worker %s: %s is drained; exiting", self.claim.worker_id,
+                             self.claim.target)
+                    return
+                # (no note says that the last leased task finished: look again soon)
+                state.sleep(self._until_room(min(self._idle_wait(),
+                                                 random.uniform(*cfg.drain_poll))))
+                continue
+            state.sleep(self._until_room(self._idle_wait()))
+
+    def _idle_wait(self) -> float:
+        """How long a worker with a free slot and nothing to claim sleeps: with a connected
+        notifier, until the earliest retry time it was told of or the slow fallback poll
+        (notes wake it earlier); without one, the fast idle poll."""
+        cfg, sub = self.config, self.subscription
+        if sub is None or self.notifier is None or not self.notifier.connected.is_set():
+            return random.uniform(*cfg.idle_poll)
+        now = time.monotonic()
+        sub.clear_due(now)
+        # (a few ms late: the retry's row is due by the time the claim reads it)
+        due = sub.due_in(now) + random.uniform(0.002, 0.01)
+        if now - self._claimed_at < cfg.idle_warm:
+            # just busy: a claim can come back empty while work remains that no note
+            # announces (a shard released by an ack, rows a concurrent claim held locked)
+            poll = random.uniform(*cfg.idle_poll)
+        else:
+            poll = random.uniform(*cfg.idle_fallback)
+        return max(0.0, min(poll, due))
 
     def _until_room(self, wait: float) -> float:
         """The idle sleep, cut short to when a full limit has room again: a limit paced at
@@ -168,6 +201,8 @@ class Producer:
         with state.lock:
             state.buffer.extend(claimed)
             state.stats["claimed"] += len(claimed)
+        if claimed:
+            self._claimed_at = time.monotonic()
         return claimed
 
     def _reached_max(self) -> bool:
@@ -244,24 +279,3 @@ class Producer:
             return
         with self.state.lock:
             self.state.stats["released"] += len(released)
-
-    def listen(self) -> None:
-        """The LISTEN thread's body: wake the claim loop when tasks are enqueued; polling
-        stays the fallback (NOTIFY is lost behind PgBouncer's transaction pooling and
-        while disconnected)."""
-        state = self.state
-        while not state.force_stop.is_set() and not state.stopping.is_set():
-            try:
-                with db.connect(self.config.dsn, autocommit=True,
-                                purpose="jobrunner-listen", connect_timeout=3) as conn:
-                    pool = self.claim.pool
-                    session.listen(conn, pools=pool is not None)
-                    while not state.stopping.is_set():
-                        for note in conn.notifies(timeout=1.0):
-                            if pool is not None and note.payload == pool:
-                                self._rescan.set()
-                                state.wake.set()
-                            elif note.payload == self.claim.batch_id:
-                                state.wake.set()
-            except Exception:
-                state.force_stop.wait(1.0)

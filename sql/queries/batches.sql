@@ -182,3 +182,24 @@ CROSS JOIN LATERAL (SELECT
 ) c
 WHERE b.batch_id = %(batch_id)s
   AND (%(tenant_id)s::text IS NULL OR b.tenant_id = %(tenant_id)s);
+
+-- name: batch_wake
+-- Wake the workers of these batches (and of their pools): tasks became claimable.
+--
+-- Sent by the maintenance leader after it returned expired leases to pending: one
+-- notification per batch and one per pool, whatever the number of rows.
+SELECT pg_notify('jobrunner_queue', w.batch_id)
+FROM unnest(%(batch_ids)s::text[]) AS w(batch_id)
+UNION ALL
+SELECT pg_notify('jobrunner_pool', p.pool)
+FROM (SELECT DISTINCT b.pool FROM agent_batch b
+      WHERE b.batch_id = ANY(%(batch_ids)s::text[]) AND b.pool IS NOT NULL) p;
+
+-- name: batch_reduce_due
+-- The batches whose reduce step may still have to be enqueued, in every pool or none.
+--
+-- The maintenance leader runs the reduce trigger for each (few rows: batches with a
+-- reduce step whose reduce was not enqueued yet and which were not cancelled).
+SELECT batch_id FROM agent_batch
+WHERE reduce IS NOT NULL AND reduce_enqueued_at IS NULL AND cancelled_at IS NULL
+ORDER BY batch_id;

@@ -48,3 +48,24 @@ LISTEN jobrunner_queue;
 -- name: session_listen_pools
 -- Receive pool_notify's wake-ups (payload: the pool name).
 LISTEN jobrunner_pool;
+
+-- name: session_listen_due
+-- Receive task_retry_notify's retry times (payload: "batch ID SECONDS" or "pool NAME SECONDS").
+LISTEN jobrunner_due;
+
+-- name: session_listen_leader
+-- Receive session_leader_resign's hand-over: the maintenance leader is leaving.
+LISTEN jobrunner_leader;
+
+-- name: session_leader_try
+-- Become this database's maintenance leader if nobody is (a session advisory lock).
+--
+-- One session per database holds it: the maintenance leader, which sweeps expired leases
+-- and enqueues due reduce steps for every batch (jobrunner/worker/notifier.py). It is
+-- held until the session ends, so a leader killed with kill -9 loses it the moment its
+-- socket closes. The key is a constant of jobrunner's own (hashtext of a fixed name).
+SELECT pg_try_advisory_lock(hashtext('jobrunner-maintenance-leader')::bigint) AS leader;
+
+-- name: session_leader_resign
+-- Tell the other candidates that the leader is leaving, so one takes over at once.
+SELECT pg_notify('jobrunner_leader', 'resign');

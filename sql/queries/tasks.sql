@@ -968,3 +968,20 @@ CROSS JOIN LATERAL (
 WHERE %(tenant_id)s::text IS NULL OR b.tenant_id = %(tenant_id)s
 ORDER BY d.id DESC
 LIMIT %(limit)s;
+
+-- name: task_retry_notify
+-- Tell idle workers when the retries just scheduled come due (one note per target and time).
+--
+-- Sent after failures went back to pending with a backoff: the payload is the target
+-- ("batch ID" or "pool NAME") and the seconds until the retry is due, relative to
+-- the statement, so a listener's clock never has to agree with the server's. Idle workers
+-- of that target sleep until then instead of polling for it.
+SELECT pg_notify('jobrunner_due', n.target || ' ' || n.seconds)
+FROM (SELECT DISTINCT
+             CASE WHEN q.pool IS NULL THEN 'batch ' || q.batch_id ELSE 'pool ' || q.pool END
+                 AS target,
+             round(extract(epoch FROM q.run_after - clock_timestamp())::numeric, 2)::text
+                 AS seconds
+      FROM agent_work_queue q
+      WHERE q.id = ANY(%(ids)s::bigint[]) AND q.status = 'pending'
+        AND q.run_after > clock_timestamp()) n;

@@ -1,0 +1,264 @@
+"""The notifier: one LISTEN connection per process, shared by every worker in it, and the
+process's candidacy for the database's maintenance leadership.
+
+Guarantees:
+- One direct connection per process and database (`shared`): it LISTENs to enqueues of
+  batches and pools, to retry times (task_retry_notify) and to the leader's hand-over,
+  and hands each note to the subscriptions it concerns. A waiting worker therefore costs
+  the server nothing between notes: its claim loop sleeps until a note, until the
+  earliest retry time it was told of, until a full limit has room, or until its slow
+  fallback poll (seconds, with jitter), which exists only for notes that were lost.
+- `connected` is set only while the LISTEN session is up. While it is not (never
+  connected, reconnecting, or no direct DSN behind PgBouncer's transaction pooling),
+  workers poll at their fast idle interval as before; when it comes back, every
+  subscription is woken, since notes sent meanwhile were lost.
+- Leadership: the notifier's session holds a session advisory lock (session_leader_try)
+  while it leads. At most one session in the database holds it, so at most one process
+  sweeps expired leases and enqueues due reduces for everybody. A candidate retries every
+  `lead_retry` seconds (jittered), and at once (within 0.2 s, jittered) when the leader
+  announces that it leaves; a leader killed with kill -9 loses the lock when its socket
+  closes, so another takes over within lead_retry's upper bound. A leader whose connection
+  fails stops leading before it reconnects.
+- Notes are coalesced at both ends: PostgreSQL folds identical notes of one transaction
+  into one (an enqueue of 100k tasks is one note), and a note only sets a subscription's
+  wake-up event, so many notes before the claim loop runs are one wake-up.
+
+Behind PgBouncer in transaction pooling mode, LISTEN and session advisory locks do not
+work: the notifier then needs a direct DSN (`--listen-dsn`, JOBRUNNER_LISTEN_DATABASE_URL),
+one direct connection per process; without one, there is no notifier (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psycopg
+
+from jobrunner.store import db, session
+
+log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker logs on)
+
+LISTEN_DSN_ENV = "JOBRUNNER_LISTEN_DATABASE_URL"
+
+
+def listen_dsn(dsn: str, explicit: str | None = None) -> str | None:
+    """The DSN the notifier connects to: the one given, else $JOBRUNNER_LISTEN_DATABASE_URL,
+    else the queue's own DSN unless that goes through a transaction pooler (then None:
+    LISTEN and session locks do not survive a transaction there)."""
+    chosen = explicit or os.environ.get(LISTEN_DSN_ENV)
+    if chosen:
+        return chosen
+    return None if db.transaction_pooling() else dsn
+
+
+@dataclass(eq=False)
+class Subscription:
+    """What one worker hears: its batch's (or pool's) notes, and its wake-up event."""
+
+    batch_id: str | None
+    pool: str | None
+    wake: threading.Event
+    # set on a note of the worker's pool: the next claim scans the pool from the start
+    rescan: threading.Event = field(default_factory=threading.Event)
+    # wants to run maintenance when its process leads (a worker's heartbeat thread)
+    maintains: bool = True
+    _due_at: float = math.inf
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def target(self) -> str:
+        return f"pool {self.pool}" if self.pool is not None else f"batch {self.batch_id}"
+
+    def due_in(self, now: float) -> float:
+        """Seconds until the earliest retry this worker was told of (inf: none)."""
+        with self._lock:
+            return self._due_at - now
+
+    def clear_due(self, now: float) -> None:
+        """Forget retry times that have come (the claim about to run covers them)."""
+        with self._lock:
+            if self._due_at <= now:
+                self._due_at = math.inf
+
+    def due(self, at: float) -> None:
+        with self._lock:
+            if at < self._due_at:
+                self._due_at = at
+                self.wake.set()  # (the sleeping loop re-reads its deadline)
+
+    def hear(self, channel: str, payload: str, now: float) -> None:
+        if channel == "jobrunner_queue":
+            if self.pool is None and payload == self.batch_id:
+                self.wake.set()
+        elif channel == "jobrunner_pool":
+            if self.pool is not None and payload == self.pool:
+                self.rescan.set()
+                self.wake.set()
+        elif channel == "jobrunner_due":
+            target, _, seconds = payload.rpartition(" ")
+            if target == self.target:
+                try:
+                    self.due(now + max(0.0, float(seconds)))
+                except ValueError:
+                    pass
+
+
+class Notifier:
+    """A process's LISTEN connection and maintenance candidacy (see the module's
+    guarantees). Start with `start`, stop with `close`; `shared` gives the process's one."""
+
+    def __init__(self, dsn: str, *, lead_retry: tuple[float, float] = (4.0, 6.0),
+                 elect: bool = True) -> None:
+        self.dsn = dsn
+        self.lead_retry = lead_retry
+        self.elect = elect
+        self.connected = threading.Event()
+        self._leader = False
+        self._subs: list[Subscription] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_try = 0.0
+        self._users = 0
+        self.stats = {"notes": 0, "connects": 0, "elected": 0}
+
+    # -- subscriptions -----------------------------------------------------------------
+    def subscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs.append(sub)
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    def leads(self, sub: Subscription) -> bool:
+        """True when this process leads and `sub` is the one of its subscriptions that
+        runs the maintenance (the first that wants to), so a process sweeps once."""
+        with self._lock:
+            if not self._leader or not self.connected.is_set():
+                return False
+            first = next((s for s in self._subs if s.maintains), None)
+            return first is sub
+
+    @property
+    def leader(self) -> bool:
+        return self._leader and self.connected.is_set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> Notifier:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="notifier", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            conn: psycopg.Connection | None = None
+            try:
+                conn = db.connect(self.dsn, autocommit=True, connect_timeout=3,
+                                  purpose=f"jobrunner-notifier {os.getpid()}")
+                session.listen_all(conn)
+                self.stats["connects"] += 1
+                self.connected.set()
+                self._wake_all()  # notes sent while we were away are lost: look now
+                self._next_try = 0.0
+                self._listen(conn)
+            except Exception as exc:
+                if not self._closed.is_set():
+                    log.warning("notifier: %s; workers poll until it reconnects",
+                                db.describe_error(exc, self.dsn))
+            finally:
+                with self._lock:
+                    was_leader, self._leader = self._leader, False
+                self.connected.clear()
+                if conn is not None:
+                    self._leave(conn, resign=was_leader and self._closed.is_set())
+            self._closed.wait(random.uniform(0.5, 1.5))
+
+    def _listen(self, conn: psycopg.Connection) -> None:
+        while not self._closed.is_set():
+            now = time.monotonic()
+            if self.elect and not self._leader and now >= self._next_try:
+                if session.leader_try(conn):
+                    with self._lock:
+                        self._leader = True
+                    self.stats["elected"] += 1
+                    log.info("notifier: this process is the maintenance leader")
+                self._next_try = now + random.uniform(*self.lead_retry)
+            wait = 1.0 if self._leader or not self.elect else max(
+                0.0, min(1.0, self._next_try - time.monotonic()))
+            for note in conn.notifies(timeout=wait):
+                self._dispatch(note.channel, note.payload)
+            if conn.closed or conn.broken:
+                raise db.DatabaseUnavailable("the notifier's connection closed")
+
+    def _dispatch(self, channel: str, payload: str) -> None:
+        self.stats["notes"] += 1
+        now = time.monotonic()
+        if channel == "jobrunner_leader":
+            if not self._leader:
+                # (spread, so that a fleet's candidates do not all try in the same instant)
+                self._next_try = min(self._next_try, now + random.uniform(0.0, 0.2))
+            return
+        with self._lock:
+            subs = list(self._subs)
+        for sub in subs:
+            sub.hear(channel, payload, now)
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            subs = list(self._subs)
+        for sub in subs:
+            sub.wake.set()
+
+    @staticmethod
+    def _leave(conn: psycopg.Connection, *, resign: bool) -> None:
+        try:
+            if resign and not conn.broken:
+                # A leader leaving on purpose says so, so that a candidate takes over at
+                # once; its lock goes with the session, closed below.
+                session.leader_resign(conn)
+        except Exception:
+            pass
+        try:
+            conn.close()
+        except Exception:
+            pass
+
+
+# -- the process's notifier --------------------------------------------------------------
+_shared: dict[str, Notifier] = {}
+_shared_lock = threading.Lock()
+
+
+def shared(dsn: str) -> Notifier:
+    """The process's notifier for `dsn`, started on first use; give it back with `release`."""
+    with _shared_lock:
+        notifier = _shared.get(dsn)
+        if notifier is None:
+            notifier = _shared[dsn] = Notifier(dsn).start()
+        notifier._users += 1
+        return notifier
+
+
+def release(notifier: Notifier) -> None:
+    """One user of a shared notifier is done; the last one closes it."""
+    with _shared_lock:
+        notifier._users -= 1
+        if notifier._users > 0:
+            return
+        if _shared.get(notifier.dsn) is notifier:
+            del _shared[notifier.dsn]
+    notifier.close()
