@@ -366,6 +366,7 @@ def test_a_tenant_role_cannot_become_another_role(install, two_tenants):
     # a temporary table shadowing the bindings (pg_temp comes first for relations)
     with psycopg.connect(a, autocommit=True) as conn:
         conn.execute("CREATE TEMP TABLE jobrunner_tenant_role (role_name name, tenant_id text)")
+        conn.execute("GRANT SELECT ON pg_temp.jobrunner_tenant_role TO PUBLIC")
         assert {r[0] for r in conn.execute("SELECT tenant_id FROM agent_work_queue")} == {"a"}
 
 
