@@ -332,6 +332,21 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION public.jobrunner_tenant_all() RETURNS boolean
+    LANGUAGE sql STABLE SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+    AS $$
+    SELECT NOT EXISTS (SELECT 1 FROM jobrunner_tenant_role t WHERE t.role_name = session_user)
+$$;
+
+CREATE FUNCTION public.jobrunner_tenant_list() RETURNS text[]
+    LANGUAGE sql STABLE SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'public', 'pg_temp'
+    AS $$
+    SELECT coalesce(array_agg(t.tenant_id), '{}')
+    FROM jobrunner_tenant_role t WHERE t.role_name = session_user
+$$;
+
 CREATE TABLE public.agent_batch (
     batch_id text NOT NULL,
     tenant_id text NOT NULL,
@@ -351,6 +366,8 @@ CREATE TABLE public.agent_batch (
     CONSTRAINT agent_batch_priority_check CHECK (((priority >= '-3'::integer) AND (priority <= 3)))
 );
 
+ALTER TABLE ONLY public.agent_batch FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.agent_batch_usage (
     batch_id text NOT NULL,
     budget_tokens bigint,
@@ -363,6 +380,8 @@ CREATE TABLE public.agent_batch_usage (
     CONSTRAINT agent_batch_usage_budget_cost_check CHECK ((budget_cost >= (0)::numeric)),
     CONSTRAINT agent_batch_usage_budget_tokens_check CHECK ((budget_tokens >= 0))
 );
+
+ALTER TABLE ONLY public.agent_batch_usage FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.agent_limit (
     name text NOT NULL,
@@ -415,6 +434,8 @@ CREATE TABLE public.agent_pool_stream (
     last_tag double precision NOT NULL
 );
 
+ALTER TABLE ONLY public.agent_pool_stream FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.agent_pool_tenant (
     pool text NOT NULL,
     tenant_id text NOT NULL,
@@ -422,6 +443,8 @@ CREATE TABLE public.agent_pool_tenant (
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     CONSTRAINT agent_pool_tenant_weight_check CHECK (((weight >= (0.001)::double precision) AND (weight <= (1000)::double precision)))
 );
+
+ALTER TABLE ONLY public.agent_pool_tenant FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.agent_shard_lease (
     tenant_id text NOT NULL,
@@ -431,6 +454,8 @@ CREATE TABLE public.agent_shard_lease (
     leased_at timestamp with time zone DEFAULT now() NOT NULL
 )
 WITH (autovacuum_vacuum_scale_factor='0.0', autovacuum_vacuum_threshold='500');
+
+ALTER TABLE ONLY public.agent_shard_lease FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.agent_task_effect (
     batch_id text NOT NULL,
@@ -443,11 +468,15 @@ CREATE TABLE public.agent_task_effect (
     created_at timestamp with time zone DEFAULT now() NOT NULL
 );
 
+ALTER TABLE ONLY public.agent_task_effect FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.agent_task_key (
     batch_id text NOT NULL,
     task_key text NOT NULL,
     task_id bigint NOT NULL
 );
+
+ALTER TABLE ONLY public.agent_task_key FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.agent_task_usage (
     task_id bigint NOT NULL,
@@ -462,6 +491,8 @@ CREATE TABLE public.agent_task_usage (
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL
 );
+
+ALTER TABLE ONLY public.agent_task_usage FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.agent_work_queue (
     id bigint NOT NULL,
@@ -488,6 +519,8 @@ CREATE TABLE public.agent_work_queue (
     vtag double precision
 )
 WITH (autovacuum_vacuum_scale_factor='0.01', autovacuum_vacuum_threshold='1000', autovacuum_analyze_scale_factor='0.02', autovacuum_vacuum_cost_limit='2000', fillfactor='80');
+
+ALTER TABLE ONLY public.agent_work_queue FORCE ROW LEVEL SECURITY;
 
 CREATE SEQUENCE public.agent_work_queue_id_seq
     START WITH 1
@@ -523,6 +556,8 @@ CREATE TABLE public.agent_work_queue_archive (
     vtag double precision
 );
 
+ALTER TABLE ONLY public.agent_work_queue_archive FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.api_batch (
     batch_id text NOT NULL,
     tenant_id text NOT NULL,
@@ -549,6 +584,8 @@ CREATE TABLE public.api_batch (
     idempotency_key text
 );
 
+ALTER TABLE ONLY public.api_batch FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.api_file (
     file_id text NOT NULL,
     tenant_id text NOT NULL,
@@ -561,12 +598,16 @@ CREATE TABLE public.api_file (
     idempotency_key text
 );
 
+ALTER TABLE ONLY public.api_file FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.api_file_chunk (
     file_id text NOT NULL,
     seq integer NOT NULL,
     data bytea NOT NULL
 );
 ALTER TABLE ONLY public.api_file_chunk ALTER COLUMN data SET STORAGE EXTERNAL;
+
+ALTER TABLE ONLY public.api_file_chunk FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.api_key (
     key_id text NOT NULL,
@@ -579,6 +620,8 @@ CREATE TABLE public.api_key (
     CONSTRAINT api_key_role_check CHECK ((role = ANY (ARRAY['read'::text, 'admin'::text])))
 );
 
+ALTER TABLE ONLY public.api_key FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.console_audit (
     id bigint NOT NULL,
     at timestamp with time zone DEFAULT now() NOT NULL,
@@ -590,6 +633,8 @@ CREATE TABLE public.console_audit (
     rows bigint NOT NULL
 );
 
+ALTER TABLE ONLY public.console_audit FORCE ROW LEVEL SECURITY;
+
 CREATE SEQUENCE public.console_audit_id_seq
     START WITH 1
     INCREMENT BY 1
@@ -599,10 +644,21 @@ CREATE SEQUENCE public.console_audit_id_seq
 
 ALTER SEQUENCE public.console_audit_id_seq OWNED BY public.console_audit.id;
 
+CREATE TABLE public.jobrunner_component_role (
+    component text NOT NULL,
+    role_name name NOT NULL,
+    CONSTRAINT jobrunner_component_role_component_check CHECK ((component = ANY (ARRAY['owner'::text, 'operator'::text, 'worker'::text, 'api'::text, 'readonly'::text])))
+);
+
 CREATE TABLE public.jobrunner_schema_migrations (
     version integer NOT NULL,
     name text NOT NULL,
     applied_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+CREATE TABLE public.jobrunner_tenant_role (
+    role_name name NOT NULL,
+    tenant_id text NOT NULL
 );
 
 ALTER TABLE ONLY public.agent_work_queue ALTER COLUMN id SET DEFAULT nextval('public.agent_work_queue_id_seq'::regclass);
@@ -675,8 +731,14 @@ ALTER TABLE ONLY public.api_key
 ALTER TABLE ONLY public.console_audit
     ADD CONSTRAINT console_audit_pkey PRIMARY KEY (id);
 
+ALTER TABLE ONLY public.jobrunner_component_role
+    ADD CONSTRAINT jobrunner_component_role_pkey PRIMARY KEY (component);
+
 ALTER TABLE ONLY public.jobrunner_schema_migrations
     ADD CONSTRAINT jobrunner_schema_migrations_pkey PRIMARY KEY (version);
+
+ALTER TABLE ONLY public.jobrunner_tenant_role
+    ADD CONSTRAINT jobrunner_tenant_role_pkey PRIMARY KEY (role_name, tenant_id);
 
 CREATE INDEX agent_batch_pool_idx ON public.agent_batch USING btree (pool, tenant_id, priority) WHERE (pool IS NOT NULL);
 
@@ -710,3 +772,73 @@ CREATE TRIGGER agent_work_queue_key_truncate AFTER TRUNCATE ON public.agent_work
 
 ALTER TABLE ONLY public.api_file_chunk
     ADD CONSTRAINT api_file_chunk_file_id_fkey FOREIGN KEY (file_id) REFERENCES public.api_file(file_id) ON DELETE CASCADE;
+
+ALTER TABLE public.agent_batch ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_batch_usage ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_pool_stream ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_pool_tenant ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_shard_lease ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_task_effect ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_task_key ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_task_usage ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_work_queue ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_work_queue_archive ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.api_batch ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.api_file ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.api_file_chunk ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.api_key ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.console_audit ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY jobrunner_tenant ON public.agent_batch USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_batch_usage USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (EXISTS ( SELECT 1
+   FROM public.agent_batch b
+  WHERE (b.batch_id = agent_batch_usage.batch_id)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_pool_stream USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_pool_tenant USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_shard_lease USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_task_effect USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (EXISTS ( SELECT 1
+   FROM public.agent_batch b
+  WHERE (b.batch_id = agent_task_effect.batch_id)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_task_key USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (EXISTS ( SELECT 1
+   FROM public.agent_batch b
+  WHERE (b.batch_id = agent_task_key.batch_id)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_task_usage USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (EXISTS ( SELECT 1
+   FROM public.agent_batch b
+  WHERE (b.batch_id = agent_task_usage.batch_id)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_work_queue USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_work_queue_archive USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+
+CREATE POLICY jobrunner_tenant ON public.api_batch USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+
+CREATE POLICY jobrunner_tenant ON public.api_file USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+
+CREATE POLICY jobrunner_tenant ON public.api_file_chunk USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (EXISTS ( SELECT 1
+   FROM public.api_file f
+  WHERE (f.file_id = api_file_chunk.file_id)))));
+
+CREATE POLICY jobrunner_tenant ON public.api_key USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+
+CREATE POLICY jobrunner_tenant ON public.console_audit USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));

@@ -284,10 +284,10 @@ def test_a_tenant_role_cannot_change_another_tenants_task(install, two_tenants):
     from datetime import UTC, datetime, timedelta
 
     from jobrunner.model.errors import LeaseLost, UnknownBatch
-    from jobrunner.store import batches as batch_store
-    from jobrunner.store import tasks as task_store
     from jobrunner.model.types import Lease, Outcome
     from jobrunner.runtime.effects import Effects
+    from jobrunner.store import batches as batch_store
+    from jobrunner.store import tasks as task_store
 
     b0 = two_tenants["tasks"]["b0"]
     lease = Lease(b0["id"], "batch-b", "b0", "b", None, {}, 1, 8,

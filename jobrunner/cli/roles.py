@@ -1,4 +1,4 @@
-"""`jobrunner db grant|login` and `jobrunner tenant create|list`: least privilege in the
+"""`jobrunner db grant|login` and `jobrunner tenant create|bind|list`: least privilege in the
 database (docs/security.md). Registered on the main app by `register(app)`.
 
 A printed DSN holds a password: it goes to standard output only, for a Secret, and is

@@ -6,6 +6,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from jobrunner.model.errors import JobrunnerError
+from jobrunner.store import privileges
 from jobrunner.store.session import Statement, run
 from jobrunner.store.sqlfiles import Migration, migrations
 
@@ -47,14 +48,12 @@ def migrate(conn: psycopg.Connection) -> list[str]:
 
 def migrate_locked(conn: psycopg.Connection) -> list[str]:
     """migrate() in the caller's transaction, which holds the migration lock."""
-    from jobrunner.store import roles
-
     if run(conn, TABLE_EXISTS).fetchone()["e"]:
         # (nothing to do must take no privilege beyond reading: every component checks)
         done = _versions(conn)
         if all(m.version in done for m in migrations()):
             return []
-        roles.act_as_owner(conn)
+        privileges.act_as_owner(conn)
     else:
         run(conn, TABLE_CREATE)
         done = set()
@@ -67,16 +66,16 @@ def migrate_locked(conn: psycopg.Connection) -> list[str]:
                 apply(conn, migration)
                 applied_now.append(f"{migration.version:04d}_{migration.name}")
     except psycopg.errors.InsufficientPrivilege as exc:
-        owner = roles.schema_owner(conn)
+        owner = privileges.schema_owner(conn)
         raise MigrationDenied(
             "migrations are pending and this role may not apply them "
             f"({exc.diag.message_primary}): "
             f"run `jobrunner migrate` (or `jobrunner db grant`) with the DSN of the owner of "
             f"jobrunner's tables ({owner['owner'] if owner else 'the installing role'}) "
             "or of a member of it") from None
-    recorded = roles.recorded_roles(conn) if applied_now else {}
+    recorded = privileges.recorded_roles(conn) if applied_now else {}
     if recorded:
-        roles.apply_privileges(conn, recorded)
+        privileges.apply_privileges(conn, recorded)
     return applied_now
 
 

@@ -15,7 +15,7 @@ its SCRAM-SHA-256 verifier (as psql's \\password does), so no statement log hold
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psycopg
@@ -23,12 +23,16 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from jobrunner.model.errors import BadInput
+from jobrunner.store.migrate import _MIGRATION_LOCK_KEY, LOCK, migrate_locked
+from jobrunner.store.privileges import (
+    SET_LOCAL,
+    act_as_owner,
+    apply_privileges,
+    recorded_roles,
+    utility,
+    whoami,
+)
 from jobrunner.store.session import Statement, run
-from jobrunner.store.sqlfiles import sql_dir
-
-COMPONENTS = ("owner", "operator", "worker", "api", "readonly")
-# (PostgreSQL's identifiers: 63 bytes at most)
-MAX_ROLE_NAME = 63
 
 EXISTS = Statement("role_exists")
 CREATE_GROUP = Statement("role_create_group")
@@ -38,16 +42,16 @@ GRANT_SET = Statement("role_grant_set")
 GRANT_NO_SET = Statement("role_grant_no_set")
 GRANT = Statement("role_grant")
 GRANT_SCHEMA_CREATE = Statement("role_grant_schema_create")
-SET_LOCAL = Statement("role_set_local")
-SCHEMA_OWNER = Statement("role_schema_owner")
 NEW_OWNER = Statement("role_new_owner_set")
 GIVE_OBJECTS = Statement("role_give_objects")
 RECORD = Statement("component_role_record")
-LIST = Statement("component_role_list")
 UNBIND = Statement("tenant_role_unbind")
 BIND = Statement("tenant_role_bind")
 BOUND = Statement("tenant_role_list")
-WHOAMI = Statement("role_whoami")
+
+COMPONENTS = ("owner", "operator", "worker", "api", "readonly")
+# (PostgreSQL's identifiers: 63 bytes at most)
+MAX_ROLE_NAME = 63
 
 
 def role_names(prefix: str) -> dict[str, str]:
@@ -67,15 +71,6 @@ def check_role_name(name: str) -> str:
     return name
 
 
-def _utility(conn: psycopg.Connection, statement: Statement, params: Mapping | None = None,
-             **identifiers: str) -> None:
-    """A statement whose braces name roles or the schema (quoted identifiers)."""
-    parts = {k: sql.Identifier(v) for k, v in identifiers.items()}
-    if params:
-        parts.update({k: sql.Literal(v) for k, v in params.items()})
-    conn.execute(sql.SQL(statement.sql).format(**parts))
-
-
 def _modern(conn: psycopg.Connection) -> bool:
     """PostgreSQL 16 and later: role memberships carry SET and INHERIT options."""
     return conn.info.server_version >= 160000
@@ -89,42 +84,6 @@ def _verifier(conn: psycopg.Connection, role: str, password: str) -> str:
     return conn.pgconn.encrypt_password(password.encode(), role.encode(),
                                         b"scram-sha-256").decode()
 
-
-def schema_owner(conn: psycopg.Connection) -> dict | None:
-    """The owner of jobrunner's tables: {owner, is_me, can_set}, or None before any
-    migration."""
-    return run(conn, SCHEMA_OWNER).fetchone()
-
-
-def act_as_owner(conn: psycopg.Connection) -> None:
-    """In the caller's transaction: act as the owner of jobrunner's tables, so that what a
-    migration creates is the owner's like the rest (a member of the owner role migrating
-    would otherwise own the new objects itself). Nothing to do when this role is the
-    owner, or cannot be (it then migrates as itself, and a missing privilege says so)."""
-    owner = schema_owner(conn)
-    if owner and not owner["is_me"] and owner["can_set"]:
-        _utility(conn, SET_LOCAL, role=owner["owner"])
-
-
-def recorded_roles(conn: psycopg.Connection) -> dict[str, str]:
-    """The components' roles `jobrunner db grant` recorded ({} if never run)."""
-    return {r["component"]: r["role_name"] for r in run(conn, LIST)}
-
-
-def apply_privileges(conn: psycopg.Connection, roles: Mapping[str, str]) -> None:
-    """Run sql/grants/privileges.sql for these roles (as the owner, in the caller's
-    transaction)."""
-    text = (sql_dir() / "grants" / "privileges.sql").read_text()
-    script = sql.SQL(text).format(schema=sql.Identifier(_current_schema(conn)),
-                                  **{c: sql.Identifier(r) for c, r in roles.items()
-                                     if c != "owner"})
-    conn.execute(script)
-
-
-def _current_schema(conn: psycopg.Connection) -> str:
-    return run(conn, WHOAMI).fetchone()["schema_name"]
-
-
 @dataclass
 class GrantReport:
     created: list[str]
@@ -136,24 +95,22 @@ def grant(conn: psycopg.Connection, prefix: str = "jobrunner") -> GrantReport:
     """Create the components' roles, give jobrunner's objects to the owner role, migrate,
     and grant each role its privileges: one transaction (roles and grants are
     transactional), serialised with migrations by their advisory lock."""
-    from jobrunner.store.migrate import _MIGRATION_LOCK_KEY, LOCK, migrate_locked
-
     roles = role_names(prefix)
     created: list[str] = []
     with conn.transaction():
         run(conn, LOCK, {"key": _MIGRATION_LOCK_KEY})
         for name in roles.values():
             if not _exists(conn, name):
-                _utility(conn, CREATE_GROUP, role=name)
+                utility(conn, CREATE_GROUP, role=name)
                 created.append(name)
         # This session acts as the owner for migrations and grants (SET ROLE), and the
         # owner creates in the schema.
-        _utility(conn, GRANT_SET if _modern(conn) else GRANT, group=roles["owner"],
+        utility(conn, GRANT_SET if _modern(conn) else GRANT, group=roles["owner"],
                  member=_current_user(conn))
-        _utility(conn, GRANT_SCHEMA_CREATE, schema=_current_schema(conn), **roles)
+        utility(conn, GRANT_SCHEMA_CREATE, schema=whoami(conn)["schema_name"], **roles)
         run(conn, NEW_OWNER, {"owner": roles["owner"]})
         conn.execute(GIVE_OBJECTS.sql)
-        _utility(conn, SET_LOCAL, role=roles["owner"])
+        utility(conn, SET_LOCAL, role=roles["owner"])
         applied = migrate_locked(conn)
         for component, name in roles.items():
             run(conn, RECORD, {"component": component, "role": name})
@@ -162,7 +119,7 @@ def grant(conn: psycopg.Connection, prefix: str = "jobrunner") -> GrantReport:
 
 
 def _current_user(conn: psycopg.Connection) -> str:
-    return run(conn, WHOAMI).fetchone()["user_name"]
+    return whoami(conn)["user_name"]
 
 
 @dataclass
@@ -200,7 +157,7 @@ def create_login(conn: psycopg.Connection, dsn: str, role: str, component: str,
         # A login role bound to a tenant inherits its group's privileges but cannot SET
         # ROLE to the group (PostgreSQL 16+). Not that it could widen its rows by it: the
         # binding follows session_user, which SET ROLE does not change.
-        _utility(conn, GRANT_NO_SET if _modern(conn) else GRANT, group=group, member=role)
+        utility(conn, GRANT_NO_SET if _modern(conn) else GRANT, group=group, member=role)
         # The bindings are the owner's table: written as the owner, last (SET LOCAL ROLE
         # holds until the transaction ends).
         act_as_owner(conn)
