@@ -27,36 +27,40 @@ CREATE TABLE jobrunner_component_role (
     role_name name NOT NULL
 );
 
--- Whether this session is bound to no tenant (sees every row). SECURITY DEFINER: only the
--- owner reads the bindings, so a tenant does not learn which other tenants and roles
--- exist. Called through a scalar sub-select in the policies, so once per statement (an
--- InitPlan), not once per row.
-CREATE FUNCTION jobrunner_tenant_all() RETURNS boolean
-    LANGUAGE sql STABLE SECURITY DEFINER
-    AS $$
-    SELECT NOT EXISTS (SELECT 1 FROM jobrunner_tenant_role t WHERE t.role_name = session_user)
-$$;
-
--- The tenants this session is bound to (empty when it is bound to none).
-CREATE FUNCTION jobrunner_tenant_list() RETURNS text[]
-    LANGUAGE sql STABLE SECURITY DEFINER
-    AS $$
-    SELECT coalesce(array_agg(t.tenant_id), '{}')
-    FROM jobrunner_tenant_role t WHERE t.role_name = session_user
-$$;
-
--- A SECURITY DEFINER function must not resolve its table through the caller's search
--- path: a tenant may create a temporary table (pg_temp is searched first for relations)
--- named jobrunner_tenant_role, empty, and so look unbound. Pinned to this schema, with
--- pg_temp last.
-DO $$
+-- Whether this session is bound to no tenant (sees every row), and the tenants it is
+-- bound to (empty when none). Called through a scalar sub-select in the policies, so once
+-- per statement and table (an InitPlan), not once per row; in PL/pgSQL, whose statement
+-- plans are kept for the session (a SQL function that cannot be inlined, as a SECURITY
+-- DEFINER one cannot, plans its body again on every call).
+--
+-- SECURITY DEFINER: only the owner reads the bindings, so a tenant does not learn which
+-- other tenants and roles exist. Such a function must not resolve its table through the
+-- caller's search path: a tenant may create a temporary table (pg_temp is searched first
+-- for relations) named jobrunner_tenant_role, empty, and so look unbound. The table is
+-- named with its schema, written into the body here, rather than with a SET search_path
+-- clause (which would cost a configuration change on every call).
+DO $do$
 BEGIN
-    EXECUTE format('ALTER FUNCTION jobrunner_tenant_all() SET search_path = pg_catalog, %I, pg_temp',
-                   current_schema());
-    EXECUTE format('ALTER FUNCTION jobrunner_tenant_list() SET search_path = pg_catalog, %I, pg_temp',
-                   current_schema());
+    EXECUTE format($f$
+        CREATE FUNCTION jobrunner_tenant_all() RETURNS boolean
+            LANGUAGE plpgsql STABLE SECURITY DEFINER
+            AS $body$
+        BEGIN
+            RETURN NOT EXISTS (SELECT 1 FROM %1$I.jobrunner_tenant_role t
+                               WHERE t.role_name = session_user);
+        END
+        $body$;
+        CREATE FUNCTION jobrunner_tenant_list() RETURNS text[]
+            LANGUAGE plpgsql STABLE SECURITY DEFINER
+            AS $body$
+        BEGIN
+            RETURN (SELECT coalesce(array_agg(t.tenant_id), '{}')
+                    FROM %1$I.jobrunner_tenant_role t WHERE t.role_name = session_user);
+        END
+        $body$;
+    $f$, current_schema());
 END
-$$;
+$do$;
 
 -- The policies: one per table, for every command; WITH CHECK is the USING expression, so
 -- a bound role can neither see nor write a row of another tenant (nor move a row to one).
