@@ -74,7 +74,8 @@ def test_claim_probes_the_leased_index(dsn: str, name: str, shards: int, who: st
     # the candidates still come from the pending index (of the batch, or of the pool)
     assert any(PENDING[name.startswith("task_ack_and_claim_pool")] in line
                for line in plan), "\n".join(plan)
-    # under row-level security the tenant check is the policy's InitPlans, run once per
-    # statement, and a filter on the rows read: no scan or join of its own
-    rls = [line for line in plan if "tenant_id = ANY ((InitPlan" in line]
+    # under row-level security the tenant check is the policy's InitPlan and hashed
+    # SubPlan over the bindings, each run once per statement and table, and a filter on
+    # the rows read: no scan or join of the task table of its own
+    rls = [line for line in plan if "tenant_id = (hashed SubPlan" in line]
     assert bool(rls) == (who == "tenant worker"), "\n".join(plan)

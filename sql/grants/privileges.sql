@@ -32,15 +32,12 @@ REVOKE ALL ON FUNCTION
     jobrunner_task_key_delete(),
     jobrunner_task_key_fixed(),
     jobrunner_task_key_insert(),
-    jobrunner_task_key_truncate(),
-    jobrunner_tenant_all(),
-    jobrunner_tenant_list()
+    jobrunner_task_key_truncate()
 FROM {operator}, {worker}, {api}, {readonly};
 -- (USAGE on the schema: granted by its owner, `jobrunner db grant`, sql/queries/roles.sql)
 
--- Functions are executable by PUBLIC unless revoked. They are all SECURITY INVOKER (they
--- can do only what the caller's table privileges allow) except the two the row policies
--- call, which every role must be able to run (a policy runs them as the querying role).
+-- Functions are executable by PUBLIC unless revoked. They are all SECURITY INVOKER: they
+-- can do only what the caller's table privileges allow.
 REVOKE EXECUTE ON FUNCTION
     jobrunner_batch_settled(text, text),
     jobrunner_limit_admit(bigint[]),
@@ -56,7 +53,9 @@ REVOKE EXECUTE ON FUNCTION
     jobrunner_task_key_insert(),
     jobrunner_task_key_truncate()
 FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION jobrunner_tenant_all(), jobrunner_tenant_list() TO PUBLIC;
+-- The row policies read the tenants' bindings as the querying role (each role sees its
+-- own rows only: that table's policy, migration 0022).
+GRANT SELECT ON jobrunner_tenant_role TO {operator}, {worker}, {api}, {readonly};
 
 -- ---------------------------------------------------------------------------------------
 -- worker: claim, ack, fail, heartbeat, release, expiry; effects (task.once), usage and

@@ -27,40 +27,12 @@ CREATE TABLE jobrunner_component_role (
     role_name name NOT NULL
 );
 
--- Whether this session is bound to no tenant (sees every row), and the tenants it is
--- bound to (empty when none). Called through a scalar sub-select in the policies, so once
--- per statement and table (an InitPlan), not once per row; in PL/pgSQL, whose statement
--- plans are kept for the session (a SQL function that cannot be inlined, as a SECURITY
--- DEFINER one cannot, plans its body again on every call).
---
--- SECURITY DEFINER: only the owner reads the bindings, so a tenant does not learn which
--- other tenants and roles exist. Such a function must not resolve its table through the
--- caller's search path: a tenant may create a temporary table (pg_temp is searched first
--- for relations) named jobrunner_tenant_role, empty, and so look unbound. The table is
--- named with its schema, written into the body here, rather than with a SET search_path
--- clause (which would cost a configuration change on every call).
-DO $do$
-BEGIN
-    EXECUTE format($f$
-        CREATE FUNCTION jobrunner_tenant_all() RETURNS boolean
-            LANGUAGE plpgsql STABLE SECURITY DEFINER
-            AS $body$
-        BEGIN
-            RETURN NOT EXISTS (SELECT 1 FROM %1$I.jobrunner_tenant_role t
-                               WHERE t.role_name = session_user);
-        END
-        $body$;
-        CREATE FUNCTION jobrunner_tenant_list() RETURNS text[]
-            LANGUAGE plpgsql STABLE SECURITY DEFINER
-            AS $body$
-        BEGIN
-            RETURN (SELECT coalesce(array_agg(t.tenant_id), '{}')
-                    FROM %1$I.jobrunner_tenant_role t WHERE t.role_name = session_user);
-        END
-        $body$;
-    $f$, current_schema());
-END
-$do$;
+-- Each role reads its own bindings only (the policies below read this table as the
+-- querying role): a tenant does not learn which other tenants and roles exist. Not
+-- FORCEd: its owner writes every binding (`jobrunner tenant create|bind`).
+ALTER TABLE jobrunner_tenant_role ENABLE ROW LEVEL SECURITY;
+CREATE POLICY jobrunner_own ON jobrunner_tenant_role FOR SELECT
+    USING (role_name = session_user);
 
 -- The policies: one per table, for every command; WITH CHECK is the USING expression, so
 -- a bound role can neither see nor write a row of another tenant (nor move a row to one).
@@ -71,52 +43,72 @@ $do$;
 ALTER TABLE agent_work_queue ENABLE ROW LEVEL SECURITY;
 ALTER TABLE agent_work_queue FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON agent_work_queue
-    USING ((SELECT jobrunner_tenant_all()) OR tenant_id = ANY ((SELECT jobrunner_tenant_list())::text[]));
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
+           OR tenant_id IN (SELECT r.tenant_id FROM jobrunner_tenant_role r
+                            WHERE r.role_name = session_user));
 
 ALTER TABLE agent_work_queue_archive ENABLE ROW LEVEL SECURITY;
 ALTER TABLE agent_work_queue_archive FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON agent_work_queue_archive
-    USING ((SELECT jobrunner_tenant_all()) OR tenant_id = ANY ((SELECT jobrunner_tenant_list())::text[]));
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
+           OR tenant_id IN (SELECT r.tenant_id FROM jobrunner_tenant_role r
+                            WHERE r.role_name = session_user));
 
 ALTER TABLE agent_batch ENABLE ROW LEVEL SECURITY;
 ALTER TABLE agent_batch FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON agent_batch
-    USING ((SELECT jobrunner_tenant_all()) OR tenant_id = ANY ((SELECT jobrunner_tenant_list())::text[]));
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
+           OR tenant_id IN (SELECT r.tenant_id FROM jobrunner_tenant_role r
+                            WHERE r.role_name = session_user));
 
 ALTER TABLE agent_shard_lease ENABLE ROW LEVEL SECURITY;
 ALTER TABLE agent_shard_lease FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON agent_shard_lease
-    USING ((SELECT jobrunner_tenant_all()) OR tenant_id = ANY ((SELECT jobrunner_tenant_list())::text[]));
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
+           OR tenant_id IN (SELECT r.tenant_id FROM jobrunner_tenant_role r
+                            WHERE r.role_name = session_user));
 
 ALTER TABLE agent_pool_stream ENABLE ROW LEVEL SECURITY;
 ALTER TABLE agent_pool_stream FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON agent_pool_stream
-    USING ((SELECT jobrunner_tenant_all()) OR tenant_id = ANY ((SELECT jobrunner_tenant_list())::text[]));
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
+           OR tenant_id IN (SELECT r.tenant_id FROM jobrunner_tenant_role r
+                            WHERE r.role_name = session_user));
 
 ALTER TABLE agent_pool_tenant ENABLE ROW LEVEL SECURITY;
 ALTER TABLE agent_pool_tenant FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON agent_pool_tenant
-    USING ((SELECT jobrunner_tenant_all()) OR tenant_id = ANY ((SELECT jobrunner_tenant_list())::text[]));
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
+           OR tenant_id IN (SELECT r.tenant_id FROM jobrunner_tenant_role r
+                            WHERE r.role_name = session_user));
 
 ALTER TABLE api_key ENABLE ROW LEVEL SECURITY;
 ALTER TABLE api_key FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON api_key
-    USING ((SELECT jobrunner_tenant_all()) OR tenant_id = ANY ((SELECT jobrunner_tenant_list())::text[]));
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
+           OR tenant_id IN (SELECT r.tenant_id FROM jobrunner_tenant_role r
+                            WHERE r.role_name = session_user));
 
 ALTER TABLE api_file ENABLE ROW LEVEL SECURITY;
 ALTER TABLE api_file FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON api_file
-    USING ((SELECT jobrunner_tenant_all()) OR tenant_id = ANY ((SELECT jobrunner_tenant_list())::text[]));
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
+           OR tenant_id IN (SELECT r.tenant_id FROM jobrunner_tenant_role r
+                            WHERE r.role_name = session_user));
 
 ALTER TABLE api_batch ENABLE ROW LEVEL SECURITY;
 ALTER TABLE api_batch FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON api_batch
-    USING ((SELECT jobrunner_tenant_all()) OR tenant_id = ANY ((SELECT jobrunner_tenant_list())::text[]));
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
+           OR tenant_id IN (SELECT r.tenant_id FROM jobrunner_tenant_role r
+                            WHERE r.role_name = session_user));
 
 ALTER TABLE console_audit ENABLE ROW LEVEL SECURITY;
 ALTER TABLE console_audit FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON console_audit
-    USING ((SELECT jobrunner_tenant_all()) OR tenant_id = ANY ((SELECT jobrunner_tenant_list())::text[]));
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
+           OR tenant_id IN (SELECT r.tenant_id FROM jobrunner_tenant_role r
+                            WHERE r.role_name = session_user));
 
 -- Tables of a batch's data without a tenant column: the batch's tenant decides (the
 -- sub-select of agent_batch is itself under agent_batch's policy). An unbound session
@@ -124,31 +116,31 @@ CREATE POLICY jobrunner_tenant ON console_audit
 ALTER TABLE agent_task_key ENABLE ROW LEVEL SECURITY;
 ALTER TABLE agent_task_key FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON agent_task_key
-    USING ((SELECT jobrunner_tenant_all())
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
            OR EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = agent_task_key.batch_id));
 
 ALTER TABLE agent_task_effect ENABLE ROW LEVEL SECURITY;
 ALTER TABLE agent_task_effect FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON agent_task_effect
-    USING ((SELECT jobrunner_tenant_all())
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
            OR EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = agent_task_effect.batch_id));
 
 ALTER TABLE agent_task_usage ENABLE ROW LEVEL SECURITY;
 ALTER TABLE agent_task_usage FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON agent_task_usage
-    USING ((SELECT jobrunner_tenant_all())
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
            OR EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = agent_task_usage.batch_id));
 
 ALTER TABLE agent_batch_usage ENABLE ROW LEVEL SECURITY;
 ALTER TABLE agent_batch_usage FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON agent_batch_usage
-    USING ((SELECT jobrunner_tenant_all())
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
            OR EXISTS (SELECT 1 FROM agent_batch b WHERE b.batch_id = agent_batch_usage.batch_id));
 
 ALTER TABLE api_file_chunk ENABLE ROW LEVEL SECURITY;
 ALTER TABLE api_file_chunk FORCE ROW LEVEL SECURITY;
 CREATE POLICY jobrunner_tenant ON api_file_chunk
-    USING ((SELECT jobrunner_tenant_all())
+    USING (NOT EXISTS (SELECT FROM jobrunner_tenant_role r WHERE r.role_name = session_user)
            OR EXISTS (SELECT 1 FROM api_file f WHERE f.file_id = api_file_chunk.file_id));
 
 -- Not under row-level security, on purpose: flow control's limits, lanes and slots
