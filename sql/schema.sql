@@ -351,6 +351,8 @@ CREATE TABLE public.agent_batch (
     CONSTRAINT agent_batch_priority_check CHECK (((priority >= '-3'::integer) AND (priority <= 3)))
 );
 
+ALTER TABLE ONLY public.agent_batch FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.agent_batch_usage (
     batch_id text NOT NULL,
     budget_tokens bigint,
@@ -363,6 +365,8 @@ CREATE TABLE public.agent_batch_usage (
     CONSTRAINT agent_batch_usage_budget_cost_check CHECK ((budget_cost >= (0)::numeric)),
     CONSTRAINT agent_batch_usage_budget_tokens_check CHECK ((budget_tokens >= 0))
 );
+
+ALTER TABLE ONLY public.agent_batch_usage FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.agent_limit (
     name text NOT NULL,
@@ -415,6 +419,8 @@ CREATE TABLE public.agent_pool_stream (
     last_tag double precision NOT NULL
 );
 
+ALTER TABLE ONLY public.agent_pool_stream FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.agent_pool_tenant (
     pool text NOT NULL,
     tenant_id text NOT NULL,
@@ -422,6 +428,8 @@ CREATE TABLE public.agent_pool_tenant (
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     CONSTRAINT agent_pool_tenant_weight_check CHECK (((weight >= (0.001)::double precision) AND (weight <= (1000)::double precision)))
 );
+
+ALTER TABLE ONLY public.agent_pool_tenant FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.agent_pool_tenant_usage (
     pool text NOT NULL,
@@ -437,6 +445,8 @@ CREATE TABLE public.agent_pool_tenant_usage (
     CONSTRAINT agent_pool_tenant_usage_budget_tokens_check CHECK ((budget_tokens >= 0))
 );
 
+ALTER TABLE ONLY public.agent_pool_tenant_usage FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.agent_shard_lease (
     tenant_id text NOT NULL,
     shard_key text NOT NULL,
@@ -445,6 +455,8 @@ CREATE TABLE public.agent_shard_lease (
     leased_at timestamp with time zone DEFAULT now() NOT NULL
 )
 WITH (autovacuum_vacuum_scale_factor='0.0', autovacuum_vacuum_threshold='500');
+
+ALTER TABLE ONLY public.agent_shard_lease FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.agent_task_effect (
     batch_id text NOT NULL,
@@ -457,11 +469,15 @@ CREATE TABLE public.agent_task_effect (
     created_at timestamp with time zone DEFAULT now() NOT NULL
 );
 
+ALTER TABLE ONLY public.agent_task_effect FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.agent_task_key (
     batch_id text NOT NULL,
     task_key text NOT NULL,
     task_id bigint NOT NULL
 );
+
+ALTER TABLE ONLY public.agent_task_key FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.agent_task_usage (
     task_id bigint NOT NULL,
@@ -476,6 +492,8 @@ CREATE TABLE public.agent_task_usage (
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL
 );
+
+ALTER TABLE ONLY public.agent_task_usage FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.agent_work_queue (
     id bigint NOT NULL,
@@ -502,6 +520,8 @@ CREATE TABLE public.agent_work_queue (
     vtag double precision
 )
 WITH (autovacuum_vacuum_scale_factor='0.01', autovacuum_vacuum_threshold='1000', autovacuum_analyze_scale_factor='0.02', autovacuum_vacuum_cost_limit='2000', fillfactor='80');
+
+ALTER TABLE ONLY public.agent_work_queue FORCE ROW LEVEL SECURITY;
 
 CREATE SEQUENCE public.agent_work_queue_id_seq
     START WITH 1
@@ -537,6 +557,8 @@ CREATE TABLE public.agent_work_queue_archive (
     vtag double precision
 );
 
+ALTER TABLE ONLY public.agent_work_queue_archive FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.api_batch (
     batch_id text NOT NULL,
     tenant_id text NOT NULL,
@@ -563,6 +585,8 @@ CREATE TABLE public.api_batch (
     idempotency_key text
 );
 
+ALTER TABLE ONLY public.api_batch FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.api_file (
     file_id text NOT NULL,
     tenant_id text NOT NULL,
@@ -575,12 +599,16 @@ CREATE TABLE public.api_file (
     idempotency_key text
 );
 
+ALTER TABLE ONLY public.api_file FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.api_file_chunk (
     file_id text NOT NULL,
     seq integer NOT NULL,
     data bytea NOT NULL
 );
 ALTER TABLE ONLY public.api_file_chunk ALTER COLUMN data SET STORAGE EXTERNAL;
+
+ALTER TABLE ONLY public.api_file_chunk FORCE ROW LEVEL SECURITY;
 
 CREATE TABLE public.api_key (
     key_id text NOT NULL,
@@ -593,6 +621,8 @@ CREATE TABLE public.api_key (
     CONSTRAINT api_key_role_check CHECK ((role = ANY (ARRAY['read'::text, 'admin'::text])))
 );
 
+ALTER TABLE ONLY public.api_key FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.console_audit (
     id bigint NOT NULL,
     at timestamp with time zone DEFAULT now() NOT NULL,
@@ -604,6 +634,8 @@ CREATE TABLE public.console_audit (
     rows bigint NOT NULL
 );
 
+ALTER TABLE ONLY public.console_audit FORCE ROW LEVEL SECURITY;
+
 CREATE SEQUENCE public.console_audit_id_seq
     START WITH 1
     INCREMENT BY 1
@@ -613,10 +645,21 @@ CREATE SEQUENCE public.console_audit_id_seq
 
 ALTER SEQUENCE public.console_audit_id_seq OWNED BY public.console_audit.id;
 
+CREATE TABLE public.jobrunner_component_role (
+    component text NOT NULL,
+    role_name name NOT NULL,
+    CONSTRAINT jobrunner_component_role_component_check CHECK ((component = ANY (ARRAY['owner'::text, 'operator'::text, 'worker'::text, 'api'::text, 'readonly'::text])))
+);
+
 CREATE TABLE public.jobrunner_schema_migrations (
     version integer NOT NULL,
     name text NOT NULL,
     applied_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+CREATE TABLE public.jobrunner_tenant_role (
+    role_name name NOT NULL,
+    tenant_id text NOT NULL
 );
 
 ALTER TABLE ONLY public.agent_work_queue ALTER COLUMN id SET DEFAULT nextval('public.agent_work_queue_id_seq'::regclass);
@@ -692,8 +735,14 @@ ALTER TABLE ONLY public.api_key
 ALTER TABLE ONLY public.console_audit
     ADD CONSTRAINT console_audit_pkey PRIMARY KEY (id);
 
+ALTER TABLE ONLY public.jobrunner_component_role
+    ADD CONSTRAINT jobrunner_component_role_pkey PRIMARY KEY (component);
+
 ALTER TABLE ONLY public.jobrunner_schema_migrations
     ADD CONSTRAINT jobrunner_schema_migrations_pkey PRIMARY KEY (version);
+
+ALTER TABLE ONLY public.jobrunner_tenant_role
+    ADD CONSTRAINT jobrunner_tenant_role_pkey PRIMARY KEY (role_name, tenant_id);
 
 CREATE INDEX agent_batch_pool_idx ON public.agent_batch USING btree (pool, tenant_id, priority) WHERE (pool IS NOT NULL);
 
@@ -727,3 +776,135 @@ CREATE TRIGGER agent_work_queue_key_truncate AFTER TRUNCATE ON public.agent_work
 
 ALTER TABLE ONLY public.api_file_chunk
     ADD CONSTRAINT api_file_chunk_file_id_fkey FOREIGN KEY (file_id) REFERENCES public.api_file(file_id) ON DELETE CASCADE;
+
+ALTER TABLE public.agent_batch ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_batch_usage ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_pool_stream ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_pool_tenant ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_pool_tenant_usage ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_shard_lease ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_task_effect ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_task_key ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_task_usage ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_work_queue ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_work_queue_archive ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.api_batch ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.api_file ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.api_file_chunk ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.api_key ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.console_audit ENABLE ROW LEVEL SECURITY;
+
+CREATE POLICY jobrunner_own ON public.jobrunner_tenant_role FOR SELECT USING ((role_name = SESSION_USER));
+
+CREATE POLICY jobrunner_tenant ON public.agent_batch USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_batch_usage USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
+   FROM public.agent_batch b
+  WHERE (b.batch_id = agent_batch_usage.batch_id)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_pool_stream USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_pool_tenant USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_pool_tenant_usage USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_shard_lease USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_task_effect USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
+   FROM public.agent_batch b
+  WHERE (b.batch_id = agent_task_effect.batch_id)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_task_key USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
+   FROM public.agent_batch b
+  WHERE (b.batch_id = agent_task_key.batch_id)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_task_usage USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
+   FROM public.agent_batch b
+  WHERE (b.batch_id = agent_task_usage.batch_id)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_work_queue USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_work_queue_archive USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+CREATE POLICY jobrunner_tenant ON public.api_batch USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+CREATE POLICY jobrunner_tenant ON public.api_file USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+CREATE POLICY jobrunner_tenant ON public.api_file_chunk USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
+   FROM public.api_file f
+  WHERE (f.file_id = api_file_chunk.file_id)))));
+
+CREATE POLICY jobrunner_tenant ON public.api_key USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+CREATE POLICY jobrunner_tenant ON public.console_audit USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+ALTER TABLE public.jobrunner_tenant_role ENABLE ROW LEVEL SECURITY;

@@ -10,6 +10,7 @@ soak (tests/test_failover.py).
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 
 from tests.support import pgbouncer
@@ -52,6 +53,22 @@ def test_chaos_soak_through_a_worker_pool(own_server, tmp_path, capsys, soak_siz
     """The same soak with the batch in a worker pool next to another tenant's batch, and
     pool workers (issue 18): the pool claim keeps every guarantee. Half the size."""
     _soak(own_server, own_server.dsn(), tmp_path, tasks=soak_size // 2, label="pool",
+          capsys=capsys, pool="chaos-pool")
+
+
+@pytest.mark.slow
+def test_chaos_soak_as_tenant_bound_pool_workers(own_server, tmp_path, capsys, soak_size):
+    """The pool soak with the workers logging in as a worker role bound to exactly the
+    pool's two tenants (issue 29): row-level security applies to every claim, ack,
+    heartbeat, expiry and effect, and the soak keeps every guarantee. Half the size."""
+    from jobrunner.store import roles
+
+    with psycopg.connect(own_server.dsn()) as conn:
+        roles.grant(conn, "chaos")
+    with psycopg.connect(own_server.dsn()) as conn:
+        worker_dsn = roles.create_login(conn, own_server.dsn(), "chaos_pool_workers", "worker",
+                                        ["acme", "other-tenant"]).dsn
+    _soak(own_server, worker_dsn, tmp_path, tasks=soak_size // 2, label="tenant-pool",
           capsys=capsys, pool="chaos-pool")
 
 

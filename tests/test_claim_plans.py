@@ -11,6 +11,8 @@ must be a probe on (tenant_id, shard_key).
 
 from __future__ import annotations
 
+import uuid
+
 import psycopg
 import pytest
 
@@ -18,6 +20,7 @@ from jobrunner.store.prepared import PreparedStatement
 from jobrunner.store.sqlfiles import query
 
 LEASED_INDEX = "agent_work_queue_leased_uidx"
+PENDING = {False: "agent_work_queue_batch_pending_idx", True: "agent_work_queue_pool_pending_idx"}
 
 
 def _stale_statistics(conn: psycopg.Connection, shards: int) -> None:
@@ -38,13 +41,29 @@ def _stale_statistics(conn: psycopg.Connection, shards: int) -> None:
     conn.execute("VACUUM ANALYZE agent_work_queue")
 
 
+def _tenant_worker(dsn: str) -> str:
+    """A worker login role bound to tenant 't' (row-level security applies to it; the
+    tests' superuser bypasses it)."""
+    from jobrunner.store import roles
+
+    prefix = f"jr{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(dsn) as conn:
+        roles.grant(conn, prefix)
+    with psycopg.connect(dsn) as conn:
+        return roles.create_login(conn, dsn, f"{prefix}_t", "worker", ["t"]).dsn
+
+
+@pytest.mark.parametrize("who", ["superuser", "tenant worker"])
 @pytest.mark.parametrize("shards", [1000, 0])
 @pytest.mark.parametrize("name", ["task_ack_and_claim", "task_ack_and_claim_limited",
                                   "task_ack_and_claim_pool",
                                   "task_ack_and_claim_pool_limited"])
-def test_claim_probes_the_leased_index(dsn: str, name: str, shards: int) -> None:
+def test_claim_probes_the_leased_index(dsn: str, name: str, shards: int, who: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         _stale_statistics(conn, shards)
+    if who == "tenant worker":
+        dsn = _tenant_worker(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(query("session_settings"), {"local": False, "timeout": None})
         sql = PreparedStatement("x", query(name)).sql.decode()
         plan = [r[0] for r in conn.execute("EXPLAIN (GENERIC_PLAN) " + sql).fetchall()]
@@ -52,3 +71,11 @@ def test_claim_probes_the_leased_index(dsn: str, name: str, shards: int) -> None
     for i in scans:
         below = plan[i + 1] if i + 1 < len(plan) else ""
         assert "Index Cond" in below and "shard_key" in below, "\n".join(plan)
+    # the candidates still come from the pending index (of the batch, or of the pool)
+    assert any(PENDING[name.startswith("task_ack_and_claim_pool")] in line
+               for line in plan), "\n".join(plan)
+    # under row-level security the tenant check is the policy's InitPlan and hashed
+    # SubPlan over the bindings, each run once per statement and table, and a filter on
+    # the rows read: no scan or join of the task table of its own
+    rls = [line for line in plan if "tenant_id = (hashed SubPlan" in line]
+    assert bool(rls) == (who == "tenant worker"), "\n".join(plan)

@@ -18,6 +18,7 @@ from jobrunner.cli.batch_api import register as register_batch_api
 from jobrunner.cli.flowcontrol import register as register_flow_control
 from jobrunner.cli.options import BatchOpt, DsnOpt, _fail, _queue, app, dead_app, out
 from jobrunner.cli.render import print_result_preview, top_errors_table
+from jobrunner.cli.roles import register as register_roles
 from jobrunner.cli.workerpools import register as register_pools
 from jobrunner.model.errors import BadInput, JobrunnerError
 from jobrunner.model.logs import setup_logging
@@ -30,6 +31,7 @@ app.add_typer(dead_app, name="dead")
 register_flow_control(app)  # limit, usage, budget (jobrunner/cli/flowcontrol.py)
 register_pools(app)  # pool set-weight, pool show (jobrunner/cli/workerpools.py)
 register_batch_api(app)  # serve, api-key (jobrunner/cli/batch_api.py)
+register_roles(app)  # db grant|login, tenant create|list (jobrunner/cli/roles.py)
 
 
 class InputFormat(StrEnum):
@@ -353,6 +355,10 @@ def main() -> None:
         _fail(f"the database has no jobrunner schema ({exc.diag.message_primary}): run "
               "`jobrunner migrate --dsn ...` first (the controller and `jobrunner run` "
               "do it themselves)", 1)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        # A component's role doing what it was not granted (docs/security.md).
+        _fail(f"permission denied: {exc.diag.message_primary} (this command needs a role "
+              "that may do it: see docs/security.md, \"Who can do what\")", 1)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from jobrunner.model.validation import TaskSpec
@@ -241,6 +243,12 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
     are the pool's (`worker --pool`)."""
     with psycopg.connect(direct, row_factory=dict_row) as conn:
         conn.execute(SCHEMA)
+        worker_user = conninfo_to_dict(worker_dsn).get("user")
+        if worker_user and worker_user != conninfo_to_dict(direct).get("user"):
+            # (workers of a role of their own, docs/security.md: the handler's own tables)
+            conn.execute(sql.SQL("GRANT SELECT, INSERT, UPDATE ON chaos_raw, chaos_effect TO {};"
+                                 " GRANT USAGE ON SEQUENCE chaos_raw_id_seq TO {}").format(
+                                     sql.Identifier(worker_user), sql.Identifier(worker_user)))
         conn.commit()
         specs = [TaskSpec(f"t{i:05d}", {}, shard_key=f"shard-{i % N_SHARDS}", max_attempts=50)
                  for i in range(tasks)]

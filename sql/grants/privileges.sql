@@ -1,0 +1,141 @@
+-- What each component's role may do (docs/security.md, "Who can do what"), applied by
+-- `jobrunner db grant` and again by `jobrunner migrate` after a migration, as the owner
+-- (jobrunner/store/roles.py). The names in braces are the roles' and the schema's names,
+-- put in as quoted identifiers by the store (psycopg.sql), never as text.
+--
+-- It converges: everything granted before is revoked first, in the same transaction,
+-- so re-running it after a change of this file removes what a role no longer needs.
+-- Only the owner owns anything, so only the owner can run DDL (CREATE, ALTER, DROP,
+-- TRUNCATE, triggers, policies); no role here gets TRUNCATE, REFERENCES or TRIGGER.
+
+-- Every table, sequence and function of jobrunner's, by name (not ALL ... IN SCHEMA: an
+-- application sharing the schema keeps its objects and grants; tests/test_roles.py
+-- checks that these lists name every object the migrations make).
+REVOKE ALL ON agent_batch, agent_batch_usage, agent_limit, agent_limit_lane,
+    agent_limit_lease, agent_pool, agent_pool_stream, agent_pool_tenant,
+    agent_pool_tenant_usage, agent_shard_lease,
+    agent_task_effect, agent_task_key, agent_task_usage, agent_work_queue,
+    agent_work_queue_archive, api_batch, api_file, api_file_chunk, api_key, console_audit,
+    jobrunner_component_role, jobrunner_schema_migrations, jobrunner_tenant_role
+FROM {operator}, {worker}, {api}, {readonly};
+REVOKE ALL ON SEQUENCE agent_work_queue_id_seq, console_audit_id_seq
+FROM {operator}, {worker}, {api}, {readonly};
+REVOKE ALL ON FUNCTION
+    jobrunner_batch_settled(text, text),
+    jobrunner_limit_admit(bigint[]),
+    jobrunner_limit_charge(jobrunner_admission[], bigint[]),
+    jobrunner_pool_now(text),
+    jobrunner_pool_relay(text, text, integer, double precision, double precision),
+    jobrunner_pool_set_weight(text, text, double precision),
+    jobrunner_pool_start(text, text, integer, text),
+    jobrunner_pool_stride(text, text, integer),
+    jobrunner_shard_take(text, text),
+    jobrunner_task_key_delete(),
+    jobrunner_task_key_fixed(),
+    jobrunner_task_key_insert(),
+    jobrunner_task_key_truncate()
+FROM {operator}, {worker}, {api}, {readonly};
+-- (USAGE on the schema: granted by its owner, `jobrunner db grant`, sql/queries/roles.sql)
+
+-- Functions are executable by PUBLIC unless revoked. They are all SECURITY INVOKER: they
+-- can do only what the caller's table privileges allow.
+REVOKE EXECUTE ON FUNCTION
+    jobrunner_batch_settled(text, text),
+    jobrunner_limit_admit(bigint[]),
+    jobrunner_limit_charge(jobrunner_admission[], bigint[]),
+    jobrunner_pool_now(text),
+    jobrunner_pool_relay(text, text, integer, double precision, double precision),
+    jobrunner_pool_set_weight(text, text, double precision),
+    jobrunner_pool_start(text, text, integer, text),
+    jobrunner_pool_stride(text, text, integer),
+    jobrunner_shard_take(text, text),
+    jobrunner_task_key_delete(),
+    jobrunner_task_key_fixed(),
+    jobrunner_task_key_insert(),
+    jobrunner_task_key_truncate()
+FROM PUBLIC;
+-- The row policies read the tenants' bindings as the querying role (each role sees its
+-- own rows only: that table's policy, migration 0022).
+GRANT SELECT ON jobrunner_tenant_role TO {operator}, {worker}, {api}, {readonly};
+
+-- ---------------------------------------------------------------------------------------
+-- worker: claim, ack, fail, heartbeat, release, expiry; effects (task.once), usage and
+-- budgets; reduce (its result, and enqueueing its task); generators (enqueueing their
+-- batch's tasks); a pool's fair-share clocks; flow control's lanes, slots and 429 pauses.
+-- Nothing of the Batch API or the console; no DELETE of tasks, batches, effects or usage.
+GRANT SELECT, INSERT, UPDATE ON agent_work_queue, agent_batch, agent_task_effect,
+    agent_task_usage, agent_batch_usage, agent_pool, agent_pool_stream,
+    agent_pool_tenant_usage TO {worker};
+GRANT SELECT, INSERT ON agent_task_key TO {worker};
+GRANT SELECT ON agent_pool_tenant, jobrunner_schema_migrations TO {worker};
+GRANT SELECT, UPDATE ON agent_limit, agent_limit_lane TO {worker};
+GRANT SELECT, INSERT, DELETE ON agent_limit_lease TO {worker};
+GRANT USAGE ON SEQUENCE agent_work_queue_id_seq TO {worker};
+GRANT EXECUTE ON FUNCTION
+    jobrunner_batch_settled(text, text),
+    jobrunner_limit_admit(bigint[]),
+    jobrunner_limit_charge(jobrunner_admission[], bigint[]),
+    jobrunner_pool_now(text),
+    jobrunner_pool_relay(text, text, integer, double precision, double precision),
+    jobrunner_pool_start(text, text, integer, text),
+    jobrunner_pool_stride(text, text, integer),
+    jobrunner_shard_take(text, text)
+TO {worker};
+
+-- ---------------------------------------------------------------------------------------
+-- operator (the controller, and the CLI's administration: enqueue, status, cancel,
+-- requeue, retention, limits, budgets, pools' weights): every queue table, no API table.
+GRANT SELECT, INSERT, UPDATE, DELETE ON agent_work_queue, agent_batch, agent_task_key,
+    agent_task_usage, agent_batch_usage, agent_limit, agent_limit_lane, agent_limit_lease,
+    agent_pool, agent_pool_stream, agent_pool_tenant, agent_pool_tenant_usage TO {operator};
+GRANT SELECT, DELETE ON agent_task_effect TO {operator};
+GRANT SELECT, INSERT, DELETE ON agent_work_queue_archive TO {operator};
+GRANT SELECT ON jobrunner_schema_migrations TO {operator};
+GRANT USAGE ON SEQUENCE agent_work_queue_id_seq TO {operator};
+GRANT EXECUTE ON FUNCTION
+    jobrunner_batch_settled(text, text),
+    jobrunner_limit_admit(bigint[]),
+    jobrunner_limit_charge(jobrunner_admission[], bigint[]),
+    jobrunner_pool_now(text),
+    jobrunner_pool_relay(text, text, integer, double precision, double precision),
+    jobrunner_pool_set_weight(text, text, double precision),
+    jobrunner_pool_start(text, text, integer, text),
+    jobrunner_pool_stride(text, text, integer),
+    jobrunner_shard_take(text, text)
+TO {operator};
+
+-- ---------------------------------------------------------------------------------------
+-- api (`jobrunner serve`: the Batch API and the console): its own tables; enqueueing
+-- its batches' tasks, reading their progress and results, cancelling them; the
+-- console's admin actions (requeue dead tasks, cancel) with their audit rows.
+GRANT SELECT, INSERT, UPDATE, DELETE ON api_key, api_file, api_file_chunk, api_batch
+    TO {api};
+GRANT SELECT, INSERT ON console_audit TO {api};
+GRANT USAGE ON SEQUENCE console_audit_id_seq TO {api};
+GRANT SELECT, INSERT, UPDATE ON agent_work_queue, agent_batch, agent_task_usage,
+    agent_batch_usage, agent_pool, agent_pool_stream TO {api};
+GRANT SELECT, INSERT ON agent_task_key TO {api};
+GRANT SELECT ON agent_task_effect, agent_limit, agent_limit_lane, agent_pool_tenant,
+    agent_pool_tenant_usage, jobrunner_schema_migrations TO {api};
+GRANT USAGE ON SEQUENCE agent_work_queue_id_seq TO {api};
+GRANT EXECUTE ON FUNCTION
+    jobrunner_batch_settled(text, text),
+    jobrunner_pool_now(text),
+    jobrunner_pool_relay(text, text, integer, double precision, double precision),
+    jobrunner_pool_start(text, text, integer, text),
+    jobrunner_pool_stride(text, text, integer)
+TO {api};
+
+-- ---------------------------------------------------------------------------------------
+-- readonly (metrics, a read-only console, dashboards): reads every table but the API
+-- keys' hashes and the files' raw bytes.
+GRANT SELECT ON agent_work_queue, agent_work_queue_archive, agent_batch, agent_task_key,
+    agent_task_effect, agent_task_usage, agent_batch_usage, agent_limit, agent_limit_lane,
+    agent_limit_lease, agent_pool, agent_pool_stream, agent_pool_tenant,
+    agent_pool_tenant_usage, agent_shard_lease, api_file, api_batch, console_audit,
+    jobrunner_schema_migrations TO {readonly};
+GRANT EXECUTE ON FUNCTION
+    jobrunner_batch_settled(text, text),
+    jobrunner_pool_now(text),
+    jobrunner_pool_stride(text, text, integer)
+TO {readonly};

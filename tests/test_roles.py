@@ -1,0 +1,440 @@
+"""Least privilege in the database (docs/security.md): the components' roles made by
+`jobrunner db grant` as an installing role that is not a superuser, what each may do,
+and tenants' login roles bound by `jobrunner tenant create`, attacked on the real server.
+
+Roles are the cluster's: every test uses a prefix of its own, and a database of its own
+owned by an installing role of its own (CREATEROLE, no superuser), as on a managed
+PostgreSQL or CloudNativePG.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import dict_row
+
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
+from jobrunner.store import roles
+from jobrunner.store.migrate import MigrationDenied, migrate
+from tests.support.processes import cli, start_worker, wait_for
+
+HANDLER = "tests.support.handlers:noop"
+
+
+def _as(dsn: str, **params: str) -> str:
+    given = conninfo_to_dict(dsn)
+    given.update(params)
+    return make_conninfo(**given)
+
+
+@dataclass
+class Install:
+    admin_dsn: str  # the test server's superuser, on this database
+    dsn: str  # the installing role (CREATEROLE, owns the database, not a superuser)
+    prefix: str
+    user: str
+
+
+@pytest.fixture
+def install(pg_admin_dsn: str) -> Iterator[Install]:
+    tag = uuid.uuid4().hex[:10]
+    user, dbname, password = f"inst_{tag}", f"jr_roles_{tag}", uuid.uuid4().hex
+    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN CREATEROLE PASSWORD {}").format(
+            sql.Identifier(user), sql.Literal(password)))
+        conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(
+            sql.Identifier(dbname), sql.Identifier(user)))
+    yield Install(_as(pg_admin_dsn, dbname=dbname),
+                  _as(pg_admin_dsn, dbname=dbname, user=user, password=password),
+                  f"jr{tag}", user)
+    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(dbname)))
+
+
+def _granted(install: Install) -> roles.GrantReport:
+    with psycopg.connect(install.dsn) as conn:
+        return roles.grant(conn, install.prefix)
+
+
+def _login(install: Install, component: str, tenants: tuple[str, ...] = (),
+           role: str | None = None) -> str:
+    name = role or f"{install.prefix}_{component}_{'_'.join(tenants) or 'all'}"
+    with psycopg.connect(install.dsn) as conn:
+        return roles.create_login(conn, install.dsn, name, component, tenants).dsn
+
+
+def _denied(dsn: str, statement: str, params: dict | None = None) -> str:
+    with (psycopg.connect(dsn, autocommit=True) as conn,
+          pytest.raises(psycopg.errors.InsufficientPrivilege) as caught):
+        conn.execute(statement, params)
+    return caught.value.diag.message_primary or ""
+
+
+# -- 1. roles ----------------------------------------------------------------------------
+
+def test_grant_as_a_non_superuser_creates_the_roles_and_is_idempotent(install):
+    with psycopg.connect(install.dsn, row_factory=dict_row) as conn:
+        me = conn.execute("SELECT rolsuper, rolcreaterole FROM pg_roles "
+                          "WHERE rolname = current_user").fetchone()
+    assert me == {"rolsuper": False, "rolcreaterole": True}
+
+    first = _granted(install)
+    assert sorted(first.created) == sorted(f"{install.prefix}_{c}" for c in roles.COMPONENTS)
+    assert first.migrations and first.migrations[-1].startswith("0022_")
+    second = _granted(install)
+    assert second.created == [] and second.migrations == []
+
+    with psycopg.connect(install.admin_dsn, row_factory=dict_row) as conn:
+        owners = {r["relname"]: r["owner"] for r in conn.execute(
+            "SELECT c.relname, c.relowner::regrole::text AS owner FROM pg_class c "
+            "WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('r', 'S')")}
+        functions = {r["owner"] for r in conn.execute(
+            "SELECT p.proowner::regrole::text AS owner FROM pg_proc p "
+            "WHERE p.pronamespace = 'public'::regnamespace")}
+        # the roles hold no attribute beyond logging in (none logs in: groups)
+        attributes = conn.execute(
+            "SELECT bool_or(rolsuper OR rolcreaterole OR rolcreatedb OR rolbypassrls "
+            "OR rolreplication OR rolcanlogin) AS any FROM pg_roles WHERE rolname LIKE %s",
+            (f"{install.prefix}\\_%",)).fetchone()["any"]
+    assert set(owners.values()) == {f"{install.prefix}_owner"}, owners
+    assert functions == {f"{install.prefix}_owner"}
+    assert attributes is False
+
+
+def test_the_grants_name_every_object_the_migrations_make(install):
+    """sql/grants/privileges.sql revokes by name: a table, sequence or function a new
+    migration adds and the file forgets would keep whatever was granted on it."""
+    import re
+
+    from jobrunner.store.sqlfiles import sql_dir
+
+    text = (sql_dir() / "grants" / "privileges.sql").read_text()
+    revoked = " ".join(re.findall(r"^REVOKE ALL ON (.*?)^FROM", text, re.M | re.S))
+    _granted(install)
+    with psycopg.connect(install.admin_dsn) as conn:
+        names = [r[0] for r in conn.execute(
+            "SELECT relname::text FROM pg_class WHERE relnamespace = 'public'::regnamespace"
+            " AND relkind IN ('r', 'S') UNION ALL SELECT p.oid::regprocedure::text"
+            " FROM pg_proc p WHERE p.pronamespace = 'public'::regnamespace")]
+    assert len(names) > 30
+    # (regprocedure writes no space after a comma)
+    words = set(re.findall(r"\w+(?:\([^)]*\))?", re.sub(r",\s+", ",", revoked)))
+    missing = [n for n in names if n not in words]
+    assert missing == []
+
+
+def test_grant_takes_over_a_database_migrated_by_the_installer(install):
+    """An install of before the roles: the installer ran `jobrunner migrate` and owns
+    everything; `db grant` gives it all to the owner role, and a later `migrate` by the
+    installer still runs as the owner."""
+    with psycopg.connect(install.dsn) as conn:
+        migrate(conn)
+        conn.execute("CREATE TABLE not_jobrunners (x int)")
+        conn.commit()
+    _granted(install)
+    with psycopg.connect(install.admin_dsn, row_factory=dict_row) as conn:
+        owners = {r["relname"]: r["owner"] for r in conn.execute(
+            "SELECT c.relname, c.relowner::regrole::text AS owner FROM pg_class c "
+            "WHERE c.relnamespace = 'public'::regnamespace AND c.relkind = 'r'")}
+    assert owners.pop("not_jobrunners") == install.user  # (not jobrunner's: left alone)
+    assert set(owners.values()) == {f"{install.prefix}_owner"}
+
+
+@pytest.mark.parametrize("component", ["operator", "worker", "api", "readonly"])
+def test_no_component_but_the_owner_can_run_ddl(install, component):
+    _granted(install)
+    dsn = _login(install, component)
+    for statement in ("DROP TABLE agent_work_queue",
+                      "ALTER TABLE agent_work_queue ADD COLUMN x int",
+                      "TRUNCATE agent_work_queue",
+                      "CREATE TABLE mine (x int)",
+                      "CREATE FUNCTION public.mine() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+                      "CREATE INDEX ON agent_batch (created_at)",
+                      "ALTER TABLE agent_work_queue DISABLE ROW LEVEL SECURITY",
+                      "DROP POLICY jobrunner_tenant ON agent_work_queue",
+                      "CREATE POLICY mine ON agent_work_queue USING (true)",
+                      "DELETE FROM jobrunner_tenant_role",
+                      "INSERT INTO jobrunner_schema_migrations VALUES (999, 'x')"):
+        with (psycopg.connect(dsn, autocommit=True) as conn,
+              pytest.raises(psycopg.errors.InsufficientPrivilege)):
+            conn.execute(statement)
+    # and a component migrating finds nothing to do (the operator migrates on first use)
+    with psycopg.connect(dsn) as conn:
+        assert migrate(conn) == []
+
+
+def test_a_component_cannot_apply_a_pending_migration_and_is_told_who_can(install):
+    _granted(install)
+    operator = _login(install, "operator")
+    with psycopg.connect(install.admin_dsn) as conn:
+        conn.execute("DELETE FROM jobrunner_schema_migrations WHERE version = 22")
+    with (psycopg.connect(operator) as conn,
+          pytest.raises(MigrationDenied, match=f"{install.prefix}_owner")):
+        migrate(conn)
+
+
+def test_each_component_does_its_work_and_only_that(install):
+    _granted(install)
+    operator, worker, api, readonly = (_login(install, c)
+                                       for c in ("operator", "worker", "api", "readonly"))
+    with psycopg.connect(operator, row_factory=dict_row) as conn:
+        Queue(conn).enqueue("b1", "acme", [TaskSpec("k1", {"n": 1})])
+        conn.commit()
+    with psycopg.connect(readonly, row_factory=dict_row) as conn:
+        assert conn.execute("SELECT count(*) AS n FROM agent_work_queue").fetchone()["n"] == 1
+    for statement in ("UPDATE agent_work_queue SET status = 'done'",
+                      "DELETE FROM agent_work_queue", "SELECT * FROM api_key"):
+        _denied(readonly, statement)
+    # the worker: no API table, no deleting tasks, no pool weights
+    for statement in ("SELECT * FROM api_key", "SELECT * FROM api_file_chunk",
+                      "SELECT * FROM console_audit", "DELETE FROM agent_work_queue",
+                      "DELETE FROM agent_task_effect", "SELECT * FROM agent_work_queue_archive",
+                      "SELECT jobrunner_pool_set_weight('p', 'acme', 2)"):
+        _denied(worker, statement)
+    # the operator: no API table
+    for statement in ("SELECT * FROM api_key", "SELECT * FROM api_file"):
+        _denied(operator, statement)
+    # the API: its tables, not the operator's administration
+    with psycopg.connect(api, autocommit=True) as conn:
+        conn.execute("SELECT count(*) FROM api_key")
+    for statement in ("DELETE FROM agent_work_queue", "UPDATE agent_limit SET lanes = 2",
+                      "SELECT jobrunner_pool_set_weight('p', 'acme', 2)"):
+        _denied(api, statement)
+    # the worker runs the batch to the end
+    start_worker(worker, "b1", HANDLER, "--exit-when-drained")
+    with psycopg.connect(operator, row_factory=dict_row) as conn:
+        wait_for(lambda: conn.execute("SELECT status FROM agent_work_queue").fetchone()
+                 ["status"] == "done", what="the worker role's run")
+
+
+# -- 2. tenants --------------------------------------------------------------------------
+
+@pytest.fixture
+def two_tenants(install) -> dict:
+    """Tenants a and b, each a batch with a leased task, a result, an effect and usage;
+    and a worker login role bound to a."""
+    _granted(install)
+    with psycopg.connect(install.admin_dsn, row_factory=dict_row) as conn:
+        queue = Queue(conn)
+        for tenant in ("a", "b"):
+            queue.enqueue(f"batch-{tenant}", tenant,
+                          [TaskSpec(f"{tenant}{i}", {"secret": f"of {tenant}"}) for i in range(3)])
+        conn.execute("UPDATE agent_work_queue SET status = 'leased', lease_owner = 'w-'"
+                     " || tenant_id, attempts = 1, locked_until = now() + interval '1 h'"
+                     " WHERE task_key LIKE '%%0'")
+        conn.execute("UPDATE agent_work_queue SET status = 'done', result = '{\"r\": 1}',"
+                     " finished_at = now() WHERE task_key LIKE '%%1'")
+        conn.execute("UPDATE agent_work_queue SET status = 'dead', attempts = 8"
+                     " WHERE task_key LIKE '%%2'")
+        for tenant in ("a", "b"):
+            conn.execute(
+                "INSERT INTO agent_task_effect (batch_id, task_key, effect_key, task_id,"
+                " attempt, lease_owner, result) SELECT batch_id, task_key, 'e', id, 1,"
+                " lease_owner, '{}' FROM agent_work_queue WHERE task_key = %s",
+                (f"{tenant}0",))
+            conn.execute(
+                "INSERT INTO agent_task_usage (task_id, attempt, batch_id, task_key, tokens)"
+                " SELECT id, 1, batch_id, task_key, 10 FROM agent_work_queue"
+                " WHERE task_key = %s", (f"{tenant}0",))
+            conn.execute("INSERT INTO agent_batch_usage (batch_id, tokens) VALUES (%s, 10)",
+                         (f"batch-{tenant}",))
+        tasks = {r["task_key"]: r for r in conn.execute(
+            "SELECT id, task_key, tenant_id, batch_id, lease_owner, attempts, status,"
+            " updated_at FROM agent_work_queue")}
+    return {"a_dsn": _login(install, "worker", ("a",)), "tasks": tasks}
+
+
+def _snapshot(admin_dsn: str) -> list:
+    with psycopg.connect(admin_dsn) as conn:
+        return [conn.execute(f"SELECT * FROM {t} ORDER BY 1, 2").fetchall()
+                for t in ("agent_work_queue", "agent_batch", "agent_task_effect",
+                          "agent_task_usage", "agent_batch_usage", "agent_task_key")]
+
+
+def test_a_tenant_role_sees_only_its_tenants_rows(install, two_tenants):
+    with psycopg.connect(two_tenants["a_dsn"], row_factory=dict_row) as conn:
+        seen = {t: {r["t"] for r in conn.execute(sql.SQL(
+            "SELECT DISTINCT {} AS t FROM {}").format(sql.SQL(col), sql.Identifier(t)))}
+            for t, col in (("agent_work_queue", "tenant_id"), ("agent_batch", "tenant_id"),
+                           ("agent_task_effect", "batch_id"), ("agent_task_usage", "batch_id"),
+                           ("agent_batch_usage", "batch_id"), ("agent_task_key", "batch_id"),
+                           ("agent_pool_stream", "tenant_id"))}
+        payloads = [r["payload"] for r in conn.execute("SELECT payload FROM agent_work_queue")]
+        by_id = conn.execute("SELECT * FROM agent_work_queue WHERE id = %s",
+                             (two_tenants["tasks"]["b1"]["id"],)).fetchall()
+    assert seen == {"agent_work_queue": {"a"}, "agent_batch": {"a"},
+                    "agent_task_effect": {"batch-a"}, "agent_task_usage": {"batch-a"},
+                    "agent_batch_usage": {"batch-a"}, "agent_task_key": {"batch-a"},
+                    "agent_pool_stream": set()}
+    assert payloads and all(p == {"secret": "of a"} for p in payloads)
+    assert by_id == []  # knowing the id is not enough
+
+
+def test_a_tenant_role_cannot_change_another_tenants_task(install, two_tenants):
+    """Ack, fail, heartbeat, release, expiry, requeue, cancel and task.once on tenant b's
+    tasks, knowing their ids, owner and attempt: each runs and changes nothing."""
+    from datetime import UTC, datetime, timedelta
+
+    from jobrunner.model.errors import LeaseLost, UnknownBatch
+    from jobrunner.model.types import Lease, Outcome
+    from jobrunner.runtime.effects import Effects
+    from jobrunner.store import batches as batch_store
+    from jobrunner.store import tasks as task_store
+
+    b0 = two_tenants["tasks"]["b0"]
+    lease = Lease(b0["id"], "batch-b", "b0", "b", None, {}, 1, 8,
+                  datetime.now(UTC) + timedelta(hours=1))
+    before = _snapshot(install.admin_dsn)
+    with psycopg.connect(two_tenants["a_dsn"], row_factory=dict_row) as conn:
+        queue = Queue(conn)
+        assert queue.heartbeat("w-b", [lease]) == set()
+        assert queue.ack("w-b", lease, {"forged": True}) is False
+        assert queue.fail("w-b", lease, "forged", permanent=True) is None
+        assert queue.complete("w-b", [Outcome(lease, True, result={"forged": 1})]) == set()
+        assert queue.release("w-b", [lease]) == set()
+        # the queue's API says the batch is unknown, as for a batch never made (no
+        # hint that it exists), and the statements themselves find no row
+        with pytest.raises(UnknownBatch):
+            queue.requeue_dead("batch-b")
+        with pytest.raises(UnknownBatch):
+            queue.cancel("batch-b")
+        assert task_store.requeue_dead(conn, "batch-b", None) == 0
+        assert batch_store.cancel(conn, "batch-b") == 0
+        conn.commit()
+        assert queue.claim("batch-b", "w-a", 10) == []
+        # (expiry: make b's lease look expired to the superuser, then run it as tenant a)
+        with psycopg.connect(install.admin_dsn) as admin:
+            admin.execute("UPDATE agent_work_queue SET locked_until = now() - interval '1 s'"
+                          " WHERE id = %s", (b0["id"],))
+        before = _snapshot(install.admin_dsn)
+        assert queue.expire() == []
+    effects = Effects(two_tenants["a_dsn"])
+    try:
+        with pytest.raises(LeaseLost):
+            effects.once(lease, "w-b", "forged", lambda conn: None)
+    finally:
+        effects.close()
+    assert _snapshot(install.admin_dsn) == before
+
+
+def test_a_tenant_role_cannot_write_rows_into_another_tenant(install, two_tenants):
+    before = _snapshot(install.admin_dsn)
+    a = two_tenants["a_dsn"]
+    with psycopg.connect(a, autocommit=True) as conn:
+        for statement in (
+                "UPDATE agent_work_queue SET tenant_id = 'b' WHERE task_key = 'a2'",
+                "INSERT INTO agent_batch (batch_id, tenant_id) VALUES ('forged', 'b')",
+                "INSERT INTO agent_work_queue (tenant_id, batch_id, task_key, payload) "
+                "VALUES ('b', 'batch-b', 'forged', '{}')",
+                "INSERT INTO agent_task_effect (batch_id, task_key, effect_key, task_id, "
+                "attempt, lease_owner) VALUES ('batch-b', 'b0', 'x', 1, 1, 'w')",
+                "INSERT INTO agent_batch_usage (batch_id, tokens) VALUES ('batch-b', 1) "
+                "ON CONFLICT (batch_id) DO UPDATE SET tokens = 0"):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege,
+                               match="row-level security"):
+                conn.execute(statement)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="row-level security"):
+            Queue(conn).enqueue("batch-b", "a", [TaskSpec("forged", {})])
+    assert _snapshot(install.admin_dsn) == before
+
+
+def test_a_tenant_role_cannot_become_another_role(install, two_tenants):
+    b = _login(install, "worker", ("b",))
+    owner, tenant_b = f"{install.prefix}_owner", conninfo_to_dict(b)["user"]
+    a = two_tenants["a_dsn"]
+    for target in (owner, tenant_b, install.user, f"{install.prefix}_operator"):
+        _denied(a, sql.SQL("SET ROLE {}").format(sql.Identifier(target)).as_string())
+        _denied(a, sql.SQL("SET SESSION AUTHORIZATION {}").format(
+            sql.Identifier(target)).as_string())
+    _denied(a, "SELECT set_config('role', %(r)s, false)", {"r": owner})
+    # SET ROLE to its own group changes current_user, not the tenant binding
+    with psycopg.connect(a, autocommit=True) as conn:
+        try:
+            conn.execute(sql.SQL("SET ROLE {}").format(
+                sql.Identifier(f"{install.prefix}_worker")))
+        except psycopg.errors.InsufficientPrivilege:
+            pass  # (PostgreSQL 16+: the membership has SET FALSE)
+        assert {r[0] for r in conn.execute("SELECT tenant_id FROM agent_work_queue")} == {"a"}
+    # a temporary table shadowing the bindings (pg_temp comes first for relations)
+    with psycopg.connect(a, autocommit=True) as conn:
+        conn.execute("CREATE TEMP TABLE jobrunner_tenant_role (role_name name, tenant_id text)")
+        conn.execute("GRANT SELECT ON pg_temp.jobrunner_tenant_role TO PUBLIC")
+        assert {r[0] for r in conn.execute("SELECT tenant_id FROM agent_work_queue")} == {"a"}
+
+
+def test_a_pool_role_spans_exactly_its_tenants(install, two_tenants):
+    with psycopg.connect(install.admin_dsn) as conn:
+        Queue(conn).enqueue("batch-c", "c", [TaskSpec("c0", {})])
+        conn.commit()
+    pool = _login(install, "worker", ("a", "b"), role=f"{install.prefix}_pool_p")
+    with psycopg.connect(pool) as conn:
+        assert {r[0] for r in conn.execute("SELECT tenant_id FROM agent_work_queue")} == {
+            "a", "b"}
+    # re-binding replaces: exactly the tenants named
+    pool = _login(install, "worker", ("c",), role=f"{install.prefix}_pool_p")
+    with psycopg.connect(pool) as conn:
+        assert {r[0] for r in conn.execute("SELECT tenant_id FROM agent_work_queue")} == {"c"}
+
+
+def test_tenant_create_prints_a_dsn_and_its_worker_completes_its_own_tasks(install, tmp_path):
+    _granted(install)
+    with psycopg.connect(install.admin_dsn) as conn:
+        queue = Queue(conn)
+        for tenant in ("a", "b"):
+            queue.enqueue(f"batch-{tenant}", tenant,
+                          [TaskSpec(f"k{i}", {"n": i}) for i in range(20)])
+        conn.commit()
+    made = cli("tenant", "create", "a", "--prefix", install.prefix, dsn=install.dsn)
+    assert made.returncode == 0, made.stderr
+    tenant_dsn = made.stdout.strip()
+    password = conninfo_to_dict(tenant_dsn)["password"]
+    assert conninfo_to_dict(tenant_dsn)["user"] == f"{install.prefix}_tenant_a"
+    assert password not in made.stderr
+    log = tmp_path / "worker.log"
+    # its own batch: done; the other tenant's batch: invisible, so nothing to do
+    start_worker(tenant_dsn, "batch-a", HANDLER, "--exit-when-drained", log=log).wait(60)
+    other = start_worker(tenant_dsn, "batch-b", HANDLER, "--exit-when-drained", log=log)
+    other.wait(60)
+    with psycopg.connect(install.admin_dsn) as conn:
+        counts = dict(conn.execute("SELECT batch_id || ':' || status, count(*) FROM "
+                                   "agent_work_queue GROUP BY 1").fetchall())
+    assert counts == {"batch-a:done": 20, "batch-b:pending": 20}
+    assert password not in log.read_text()
+
+
+def test_a_handler_attacking_from_inside_a_tenants_worker_fails_and_its_task_succeeds(
+        install, tmp_path):
+    _granted(install)
+    tenant_dsn = _login(install, "worker", ("a",))
+    owner, other = f"{install.prefix}_owner", _login(install, "worker", ("b",))
+    with psycopg.connect(install.admin_dsn) as conn:
+        queue = Queue(conn)
+        queue.enqueue("batch-b", "b", [TaskSpec("b0", {"secret": "of b"})])
+        queue.enqueue("batch-a", "a", [TaskSpec("a0", {"become": [
+            owner, conninfo_to_dict(other)["user"], install.user]})])
+        conn.commit()
+    worker = start_worker(tenant_dsn, "batch-a", "tests.support.attack_handlers:attack",
+                          "--exit-when-drained", log=tmp_path / "w.log")
+    assert worker.wait(60) == 0, (tmp_path / "w.log").read_text()
+    with psycopg.connect(install.admin_dsn, row_factory=dict_row) as conn:
+        rows = {r["task_key"]: r for r in conn.execute(
+            "SELECT task_key, status, result FROM agent_work_queue")}
+    assert rows["b0"]["status"] == "pending" and rows["a0"]["status"] == "done"
+    result = rows["a0"]["result"]
+    assert result.pop("foreign_rows") == 0 and result.pop("foreign_updated") == 0
+    assert result.pop("env_dsns") == ["JOBRUNNER_DATABASE_URL"]
+    assert result == {  # 42501: insufficient_privilege
+        "DROP TABLE agent_work_queue": "42501", "TRUNCATE agent_work_queue": "42501",
+        "ALTER TABLE agent_batch ADD COLUMN x int": "42501",
+        "CREATE FUNCTION public.mine() RETURNS int LANGUAGE sql AS 'SELECT 1'": "42501",
+        "ALTER TABLE agent_work_queue DISABLE ROW LEVEL SECURITY": "42501",
+        f"set role {owner}": "42501", f"set role {conninfo_to_dict(other)['user']}": "42501",
+        f"set role {install.user}": "42501"}
