@@ -192,6 +192,9 @@ def set_budget(conn: psycopg.Connection, batch_id: str, *, tokens: int | None = 
         if clear_tokens or clear_cost:
             cur.execute(query("budget_clear"), {"batch_id": batch_id, "tokens": clear_tokens,
                                                 "cost": clear_cost})
+        # A raised budget may give waiting workers something to claim: wake the batch's
+        # (and its pool's), as an enqueue does, on commit.
+        cur.execute(query("batch_wake"), {"batch_ids": [batch_id]})
 
 
 def set_tenant_budget(conn: psycopg.Connection, pool: str, tenant_id: str, *,
@@ -213,6 +216,7 @@ def set_tenant_budget(conn: psycopg.Connection, pool: str, tenant_id: str, *,
         if clear_tokens or clear_cost:
             cur.execute(query("tenant_budget_clear"),
                         {**params, "tokens": clear_tokens, "cost": clear_cost})
+        cur.execute(query("pool_notify"), {"pool": pool})  # (as in set_budget)
 
 
 def tenant_usage(conn: psycopg.Connection, pool: str, tenant_id: str) -> TenantUsage:
