@@ -18,7 +18,7 @@ Measured, for N in --pods, interleaved over --reps repetitions:
   PgBouncer's over --window seconds, minus the same server's CPU with no pods at all,
   per waiting pod per second; the server connections (backends) and PgBouncer clients.
 - wake-up (jobrunner systems, the largest N): a task enqueued while every pod waits,
-  enqueue commit -> the handler's start (wall clock, same host), --wake samples.
+  the enqueue call -> the handler's start (wall clock, same host), --wake samples.
 - retry: a task whose first attempt fails (backoff base 1 s: due 2-2.5 s later), its
   run_after (read from its row while pending) -> the second attempt's start.
 
@@ -204,8 +204,8 @@ def wake_samples(dsn: str, samples: int) -> list[float]:
         for i in range(samples):
             time.sleep(random.uniform(0.3, 0.6))  # the previous wake's claims are over
             key = f"wake-{time.monotonic_ns()}-{i}"
+            enqueued = time.time()  # (before the call: its commit is inside it)
             q.enqueue(BATCH, TENANT, [TaskSpec(key=key, payload={})])
-            enqueued = time.time()
             row = env.wait_until(lambda k=key: conn.execute(
                 "SELECT result FROM agent_work_queue WHERE batch_id = %s AND task_key = %s"
                 " AND status = 'done'", (BATCH, k)).fetchone(), 60, 0.002, "wake-up task")
