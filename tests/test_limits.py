@@ -22,7 +22,7 @@ from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
 from jobrunner.store import flowcontrol as limits
 from tests.support.figures import show
-from tests.support.limits_handlers import LOG_DDL
+from tests.support.limits_handlers import LOG_DDL, max_in_window
 from tests.support.processes import cli, start_worker, wait_for
 
 H = "tests.support.limits_handlers"
@@ -71,16 +71,6 @@ def _epochs(conn, column: str, batch_filter: str = "") -> list[float]:
     return [float(r["t"]) for r in rows]
 
 
-def _max_in_window(times: list[float], window: float) -> int:
-    """The most events in any half-open window [s, s + window)."""
-    best, j = 0, 0
-    for i, t in enumerate(times):
-        while times[j] <= t - window:
-            j += 1
-        best = max(best, i - j + 1)
-    return best
-
-
 def test_request_limit_is_shared_by_8_workers_and_used(dsn, conn, log_table, tmp_path,
                                                         capsys):
     cli("limit", "set", "api", "--requests", "20", "--per", "2", dsn=dsn, check=True)
@@ -94,7 +84,7 @@ def test_request_limit_is_shared_by_8_workers_and_used(dsn, conn, log_table, tmp
     assert len(claimed) == 200
     # The limit's guarantee, on the database clock of the claims (docs/flow-control.md):
     # never more than 20 in any 2 s window.
-    assert _max_in_window(claimed, 2.0) <= 20
+    assert max_in_window(claimed, 2.0) <= 20
     # An independent witness: the handlers' own start times (what the API would see),
     # written by the handler, not by the limiter. A start follows its claim by the claim's
     # commit, the hand-off to a thread and the log's INSERT: at most START_LAG (asserted
@@ -105,10 +95,10 @@ def test_request_limit_is_shared_by_8_workers_and_used(dsn, conn, log_table, tmp
         " extract(epoch FROM started_at)::float8 AS s FROM limit_log").fetchall()]
     start_lag = 0.5
     assert min(lags) >= 0 and max(lags) <= start_lag, (min(lags), max(lags))
-    most = _max_in_window(started, 2.0)
+    most = max_in_window(started, 2.0)
     show(capsys, f"request limit 20 per 2 s, 8 workers: handler starts at most {most} per 2 s "
          f"(bound {20 + math.ceil(10 * start_lag)}), claims at most "
-         f"{_max_in_window(claimed, 2.0)}; claim -> start {min(lags) * 1000:.0f}.."
+         f"{max_in_window(claimed, 2.0)}; claim -> start {min(lags) * 1000:.0f}.."
          f"{max(lags) * 1000:.0f} ms; whole batch {started[-1] - started[0]:.1f} s")
     assert most <= 20 + math.ceil(10 * start_lag)
     # Used, not just respected: 200 requests at 10/s ideally take 20 s.

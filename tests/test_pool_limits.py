@@ -22,7 +22,7 @@ from jobrunner.queue.client import Queue
 from jobrunner.store import flowcontrol as limits
 from jobrunner.store import workerpools as pools
 from tests.support.figures import show
-from tests.support.limits_handlers import LOG_DDL
+from tests.support.limits_handlers import LOG_DDL, max_in_window
 from tests.support.processes import cli, start_worker, wait_for
 
 H = "tests.support.limits_handlers"
@@ -56,16 +56,6 @@ def _stop(workers: list[subprocess.Popen], tmp_path: Path) -> None:
     for i, w in enumerate(workers):
         code = w.wait(60)
         assert code == 0, (tmp_path / f"w{i}.log").read_text()[-3000:]
-
-
-def _max_in_window(times: list[float], window: float) -> int:
-    """The most events in any half-open window [s, s + window)."""
-    best, j = 0, 0
-    for i, t in enumerate(times):
-        while times[j] <= t - window:
-            j += 1
-        best = max(best, i - j + 1)
-    return best
 
 
 def _log(conn) -> list[dict]:
@@ -248,14 +238,14 @@ def test_a_request_limit_shared_by_two_tenants_holds_and_splits_by_weight(
     started = sorted(r["s"] for r in rows)
     # The limit, on the database clock of the claims: never more than 20 in any second,
     # across both batches and every worker.
-    assert _max_in_window(claimed, 1.0) <= 20
+    assert max_in_window(claimed, 1.0) <= 20
     # The independent witness: the handlers' own start times. A start follows its claim
     # by at most start_lag (asserted per task), so the starts of any 1 s window belong to
     # claims of a window of 1 + start_lag s: at most 20 + 20 * start_lag of them.
     lags = [r["s"] - r["c"] for r in rows]
     start_lag = 0.5
     assert min(lags) >= 0 and max(lags) <= start_lag, (min(lags), max(lags))
-    most = _max_in_window(started, 1.0)
+    most = max_in_window(started, 1.0)
     assert most <= 20 + int(20 * start_lag)
     # Used, not just respected: the claims came at the limit's rate.
     first160 = claimed[:160]
@@ -265,7 +255,7 @@ def test_a_request_limit_shared_by_two_tenants_holds_and_splits_by_weight(
     ordered = sorted(rows, key=lambda r: r["c"])[:160]
     share = sum(r["tenant"] == "A" for r in ordered) / len(ordered)
     show(capsys, f"pool, limit 20/s shared by A (weight 3) and B (1), 4 workers: claims at "
-         f"most {_max_in_window(claimed, 1.0)} per s, handler starts at most {most} per s "
+         f"most {max_in_window(claimed, 1.0)} per s, handler starts at most {most} per s "
          f"(bound {20 + int(20 * start_lag)}); 160 claims in {span:.1f} s; A's share "
          f"{share:.3f}")
     assert 0.70 <= share <= 0.80, share

@@ -97,3 +97,13 @@ def _sleep(task: Task, seconds: float) -> None:
     while time.monotonic() < end:
         task.check_lease()
         time.sleep(min(0.02, max(0.0, end - time.monotonic())))
+
+
+def max_in_window(times: list[float], window: float) -> int:
+    """The most events (sorted times) in any half-open window [s, s + window)."""
+    best, j = 0, 0
+    for i, t in enumerate(times):
+        while times[j] <= t - window:
+            j += 1
+        best = max(best, i - j + 1)
+    return best
