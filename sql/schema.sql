@@ -332,21 +332,6 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION public.jobrunner_tenant_all() RETURNS boolean
-    LANGUAGE sql STABLE SECURITY DEFINER
-    SET search_path TO 'pg_catalog', 'public', 'pg_temp'
-    AS $$
-    SELECT NOT EXISTS (SELECT 1 FROM jobrunner_tenant_role t WHERE t.role_name = session_user)
-$$;
-
-CREATE FUNCTION public.jobrunner_tenant_list() RETURNS text[]
-    LANGUAGE sql STABLE SECURITY DEFINER
-    SET search_path TO 'pg_catalog', 'public', 'pg_temp'
-    AS $$
-    SELECT coalesce(array_agg(t.tenant_id), '{}')
-    FROM jobrunner_tenant_role t WHERE t.role_name = session_user
-$$;
-
 CREATE TABLE public.agent_batch (
     batch_id text NOT NULL,
     tenant_id text NOT NULL,
@@ -803,42 +788,96 @@ ALTER TABLE public.api_key ENABLE ROW LEVEL SECURITY;
 
 ALTER TABLE public.console_audit ENABLE ROW LEVEL SECURITY;
 
-CREATE POLICY jobrunner_tenant ON public.agent_batch USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+CREATE POLICY jobrunner_own ON public.jobrunner_tenant_role FOR SELECT USING ((role_name = SESSION_USER));
 
-CREATE POLICY jobrunner_tenant ON public.agent_batch_usage USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (EXISTS ( SELECT 1
+CREATE POLICY jobrunner_tenant ON public.agent_batch USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+CREATE POLICY jobrunner_tenant ON public.agent_batch_usage USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
    FROM public.agent_batch b
   WHERE (b.batch_id = agent_batch_usage.batch_id)))));
 
-CREATE POLICY jobrunner_tenant ON public.agent_pool_stream USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+CREATE POLICY jobrunner_tenant ON public.agent_pool_stream USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
 
-CREATE POLICY jobrunner_tenant ON public.agent_pool_tenant USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+CREATE POLICY jobrunner_tenant ON public.agent_pool_tenant USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
 
-CREATE POLICY jobrunner_tenant ON public.agent_shard_lease USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+CREATE POLICY jobrunner_tenant ON public.agent_shard_lease USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
 
-CREATE POLICY jobrunner_tenant ON public.agent_task_effect USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (EXISTS ( SELECT 1
+CREATE POLICY jobrunner_tenant ON public.agent_task_effect USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
    FROM public.agent_batch b
   WHERE (b.batch_id = agent_task_effect.batch_id)))));
 
-CREATE POLICY jobrunner_tenant ON public.agent_task_key USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (EXISTS ( SELECT 1
+CREATE POLICY jobrunner_tenant ON public.agent_task_key USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
    FROM public.agent_batch b
   WHERE (b.batch_id = agent_task_key.batch_id)))));
 
-CREATE POLICY jobrunner_tenant ON public.agent_task_usage USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (EXISTS ( SELECT 1
+CREATE POLICY jobrunner_tenant ON public.agent_task_usage USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
    FROM public.agent_batch b
   WHERE (b.batch_id = agent_task_usage.batch_id)))));
 
-CREATE POLICY jobrunner_tenant ON public.agent_work_queue USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+CREATE POLICY jobrunner_tenant ON public.agent_work_queue USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
 
-CREATE POLICY jobrunner_tenant ON public.agent_work_queue_archive USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+CREATE POLICY jobrunner_tenant ON public.agent_work_queue_archive USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
 
-CREATE POLICY jobrunner_tenant ON public.api_batch USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+CREATE POLICY jobrunner_tenant ON public.api_batch USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
 
-CREATE POLICY jobrunner_tenant ON public.api_file USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+CREATE POLICY jobrunner_tenant ON public.api_file USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
 
-CREATE POLICY jobrunner_tenant ON public.api_file_chunk USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (EXISTS ( SELECT 1
+CREATE POLICY jobrunner_tenant ON public.api_file_chunk USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
    FROM public.api_file f
   WHERE (f.file_id = api_file_chunk.file_id)))));
 
-CREATE POLICY jobrunner_tenant ON public.api_key USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+CREATE POLICY jobrunner_tenant ON public.api_key USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
 
-CREATE POLICY jobrunner_tenant ON public.console_audit USING ((( SELECT public.jobrunner_tenant_all() AS jobrunner_tenant_all) OR (tenant_id = ANY (( SELECT public.jobrunner_tenant_list() AS jobrunner_tenant_list)::text[]))));
+CREATE POLICY jobrunner_tenant ON public.console_audit USING (((NOT (EXISTS ( SELECT
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
+   FROM public.jobrunner_tenant_role r
+  WHERE (r.role_name = SESSION_USER)))));
+
+ALTER TABLE public.jobrunner_tenant_role ENABLE ROW LEVEL SECURITY;
