@@ -164,6 +164,7 @@ class Notifier:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        delay = 0.5
         while not self._closed.is_set():
             conn: psycopg.Connection | None = None
             try:
@@ -172,6 +173,7 @@ class Notifier:
                 session.listen_all(conn)
                 self.stats["connects"] += 1
                 self.connected.set()
+                delay = 0.5
                 self._wake_all()  # notes sent while we were away are lost: look now
                 self._next_try = 0.0
                 self._listen(conn)
@@ -185,7 +187,10 @@ class Notifier:
                 self.connected.clear()
                 if conn is not None:
                     self._leave(conn, resign=was_leader and self._closed.is_set())
-            self._closed.wait(random.uniform(0.5, 1.5))
+            # Backing off, with full jitter: a fleet whose notifiers all lost the server
+            # at once must not reconnect in one storm of forks and password exchanges.
+            self._closed.wait(random.uniform(0.5, delay))
+            delay = min(30.0, delay * 2)
 
     def _listen(self, conn: psycopg.Connection) -> None:
         while not self._closed.is_set():
