@@ -10,6 +10,12 @@
 # `exclusive` (they restart the API server or run a cluster-wide controller) then run
 # alone, on a cluster of their own. Both parts list their slowest tests (--durations): the
 # suite's time is the longer part's.
+#
+# Each pytest session has a base temporary directory of its own under this run's folder:
+# by default every session of the user shares /tmp/pytest-of-$USER and the newest keeps
+# only three, so a fourth session started meanwhile (the e2e exclusive part, or anyone's
+# pytest on the machine) deletes the folders of tests still running (seen as a manifest
+# gone, or pg_ctl failing on its data directory).
 set -uo pipefail
 PY=${PY:-.venv/bin/python}
 WORKERS=${TEST_WORKERS:-2}
@@ -39,11 +45,11 @@ e2e_tests() {
   done
   echo "== e2e: $E2E_WORKERS workers on one cluster (tests not marked exclusive) =="
   JOBRUNNER_E2E_CLUSTER="$info" "$PY" -m pytest tests/e2e -n "$E2E_WORKERS" --dist loadfile \
-    -m "not exclusive" --durations=30 "$@"
+    -m "not exclusive" --durations=30 --basetemp "$work/tmp-e2e-shared" "$@"
   shared=$?
   kill -TERM "$cluster"; wait "$cluster"; trap - EXIT
   echo "== e2e: the exclusive tests, alone on a cluster of their own =="
-  "$PY" -m pytest tests/e2e -m exclusive "$@"
+  "$PY" -m pytest tests/e2e -m exclusive --basetemp "$work/tmp-e2e-alone" "$@"
   alone=$?
   # (a selection that leaves no exclusive test is fine when the shared part ran tests)
   if [ "$alone" -eq 5 ] && [ "$shared" -ne 5 ]; then alone=0; fi
@@ -73,7 +79,8 @@ low_cpu() {
 
 e2e_tests "$@" >"$log" 2>&1 &
 e2e=$!
-low_cpu "$PY" -m pytest -n "$WORKERS" --ignore=tests/e2e --durations=20 "$@"
+low_cpu "$PY" -m pytest -n "$WORKERS" --ignore=tests/e2e --durations=20 \
+  --basetemp "$work/tmp-rest" "$@"
 rest=$?
 echo "== the rest of the suite: exit $rest; waiting for the e2e tests (tests/e2e) =="
 wait "$e2e"

@@ -359,10 +359,12 @@ spec:
         cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)
     try:
-        line = ""
+        line, seen = "", []
         while "console:" not in line:
             line = proc.stdout.readline()
-            assert line or proc.poll() is None, "the run ended without a console line"
+            seen.append(line)
+            assert line or proc.poll() is None, \
+                "the run ended without a console line:\n" + "".join(seen)[-3000:]
         url, key = re.search(r"console: (http://localhost:\d+/console/) \(log in with the "
                              r"key (jr-\S+):", line).groups()
         base = url.replace("localhost", "127.0.0.1")

@@ -68,6 +68,10 @@ class Subscription:
     rescan: threading.Event = field(default_factory=threading.Event)
     # wants to run maintenance when its process leads (a worker's heartbeat thread)
     maintains: bool = True
+    # when a note of new work last came (monotonic): it warms the idle poll, as a claim
+    # that got tasks does, so a worker that woke to an empty claim (others took the new
+    # rows first, or their shards are held) keeps looking while the work lasts
+    noted_at: float = -math.inf
     _due_at: float = math.inf
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -95,9 +99,11 @@ class Subscription:
     def hear(self, channel: str, payload: str, now: float) -> None:
         if channel == "jobrunner_queue":
             if self.pool is None and payload == self.batch_id:
+                self.noted_at = now
                 self.wake.set()
         elif channel == "jobrunner_pool":
             if self.pool is not None and payload == self.pool:
+                self.noted_at = now
                 self.rescan.set()
                 self.wake.set()
         elif channel == "jobrunner_due":

@@ -151,9 +151,10 @@ class Producer:
         sub.clear_due(now)
         # (a few ms late: the retry's row is due by the time the claim reads it)
         due = sub.due_in(now) + random.uniform(0.002, 0.01)
-        if now - self._claimed_at < cfg.idle_warm:
-            # just busy: a claim can come back empty while work remains that no note
-            # announces (a shard released by an ack, rows a concurrent claim held locked)
+        if now - max(self._claimed_at, sub.noted_at) < cfg.idle_warm:
+            # just busy or just told of work: a claim can come back empty while work
+            # remains that no note announces (a shard released by an ack, rows a
+            # concurrent claim held locked)
             poll = random.uniform(*cfg.idle_poll)
         else:
             poll = random.uniform(*cfg.idle_fallback)

@@ -177,7 +177,9 @@ def test_a_run_waits_for_quota_with_no_pod_then_runs(k8s, namespace, dsn, queues
     reason in its Admitted condition), its Job suspended and without a pod for as long as
     the first holds the quota, then runs to the end once the first finished."""
     q = queues.make(cpu=WORKER_CPU)
-    apply(k8s, namespace, batchrun("first", spec(q, tasks=6, sleep=1.0)))
+    # (18 s of work: long enough to still be running after the second run's Kueue status
+    # is read, which took up to 5 s in a loaded CI run; 6 s of work once left 1 s)
+    apply(k8s, namespace, batchrun("first", spec(q, tasks=6, sleep=3.0)))
     wait_for("first admitted", lambda: status(k8s, "first", namespace).get("phase")
              == "Running", controller=controller)
     apply(k8s, namespace, batchrun("second", spec(q, tasks=3, sleep=0)))
