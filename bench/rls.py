@@ -8,10 +8,12 @@ bypasses row-level security and would measure nothing):
 - ``no RLS``: the tables' row-level security disabled (the schema before migration
   0022), the worker a tenant's login role;
 - ``RLS, tenant``: the policies on, the worker a login role bound to the batch's tenant
-  (`jobrunner tenant create`): every statement runs the policies' two InitPlans and
-  filters every row it reads on the tenant;
+  (`jobrunner tenant create`): each protected table's RESTRICTIVE policy TO that role
+  (migration 0026, sql/grants/tenant_policies.sql) compares tenant_id with a constant on
+  every row it reads;
 - ``RLS, unbound``: the policies on, the worker a login role of the worker component
-  bound to no tenant (what a single-DSN install's owner pays too: FORCE).
+  bound to no tenant (what a single-DSN install's owner pays too: FORCE): the only
+  policy that applies is jobrunner_all, USING (true), which the planner drops.
 
 Writes ``bench/results/rls.md`` and ``rls.json``: per variant and claim batch the median
 rate, server and worker CPU per task, and the paired ratio of each RLS variant to
