@@ -447,6 +447,8 @@ def test_a_role_that_could_set_role_out_of_its_policies_is_not_bound(install):
     with (psycopg.connect(install.dsn) as conn,
           pytest.raises(UnsafeBinding, match=f"SET ROLE to {install.prefix}_worker")):
         roles.bind_tenants(conn, role, ["a"])
+    refused = cli("tenant", "bind", role, "a", dsn=install.dsn)
+    assert refused.returncode != 0 and "can SET ROLE to" in refused.stderr, refused.stderr
     with psycopg.connect(install.dsn) as conn:
         assert roles.bound_roles(conn) == []
     assert _restrictive_policies(install.admin_dsn, role) == set()
