@@ -809,102 +809,38 @@ ALTER TABLE public.api_key ENABLE ROW LEVEL SECURITY;
 
 ALTER TABLE public.console_audit ENABLE ROW LEVEL SECURITY;
 
+CREATE POLICY jobrunner_all ON public.agent_batch USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_batch_usage USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_pool_stream USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_pool_tenant USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_pool_tenant_usage USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_shard_lease USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_task_effect USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_task_key USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_task_usage USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_work_queue USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_work_queue_archive USING (true);
+
+CREATE POLICY jobrunner_all ON public.api_batch USING (true);
+
+CREATE POLICY jobrunner_all ON public.api_file USING (true);
+
+CREATE POLICY jobrunner_all ON public.api_file_chunk USING (true);
+
+CREATE POLICY jobrunner_all ON public.api_key USING (true);
+
+CREATE POLICY jobrunner_all ON public.console_audit USING (true);
+
 CREATE POLICY jobrunner_own ON public.jobrunner_tenant_role FOR SELECT USING ((role_name = SESSION_USER));
-
-CREATE POLICY jobrunner_tenant ON public.agent_batch USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))));
-
-CREATE POLICY jobrunner_tenant ON public.agent_batch_usage USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
-   FROM public.agent_batch b
-  WHERE (b.batch_id = agent_batch_usage.batch_id)))));
-
-CREATE POLICY jobrunner_tenant ON public.agent_pool_stream USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))));
-
-CREATE POLICY jobrunner_tenant ON public.agent_pool_tenant USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))));
-
-CREATE POLICY jobrunner_tenant ON public.agent_pool_tenant_usage USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))));
-
-CREATE POLICY jobrunner_tenant ON public.agent_shard_lease USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))));
-
-CREATE POLICY jobrunner_tenant ON public.agent_task_effect USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
-   FROM public.agent_batch b
-  WHERE (b.batch_id = agent_task_effect.batch_id)))));
-
-CREATE POLICY jobrunner_tenant ON public.agent_task_key USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
-   FROM public.agent_batch b
-  WHERE (b.batch_id = agent_task_key.batch_id)))));
-
-CREATE POLICY jobrunner_tenant ON public.agent_task_usage USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
-   FROM public.agent_batch b
-  WHERE (b.batch_id = agent_task_usage.batch_id)))));
-
-CREATE POLICY jobrunner_tenant ON public.agent_work_queue USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))));
-
-CREATE POLICY jobrunner_tenant ON public.agent_work_queue_archive USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))));
-
-CREATE POLICY jobrunner_tenant ON public.api_batch USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))));
-
-CREATE POLICY jobrunner_tenant ON public.api_file USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))));
-
-CREATE POLICY jobrunner_tenant ON public.api_file_chunk USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (EXISTS ( SELECT 1
-   FROM public.api_file f
-  WHERE (f.file_id = api_file_chunk.file_id)))));
-
-CREATE POLICY jobrunner_tenant ON public.api_key USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))));
-
-CREATE POLICY jobrunner_tenant ON public.console_audit USING (((NOT (EXISTS ( SELECT
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))) OR (tenant_id IN ( SELECT r.tenant_id
-   FROM public.jobrunner_tenant_role r
-  WHERE (r.role_name = SESSION_USER)))));
 
 ALTER TABLE public.jobrunner_tenant_role ENABLE ROW LEVEL SECURITY;

@@ -23,6 +23,7 @@ from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
 from jobrunner.store import roles
 from jobrunner.store.migrate import MigrationDenied, migrate
+from jobrunner.store.privileges import UnsafeBinding
 from jobrunner.store.sqlfiles import migrations
 from tests.support.processes import cli, start_worker, wait_for
 
@@ -161,7 +162,7 @@ def test_no_component_but_the_owner_can_run_ddl(install, component):
                       "CREATE FUNCTION public.mine() RETURNS int LANGUAGE sql AS 'SELECT 1'",
                       "CREATE INDEX ON agent_batch (created_at)",
                       "ALTER TABLE agent_work_queue DISABLE ROW LEVEL SECURITY",
-                      "DROP POLICY jobrunner_tenant ON agent_work_queue",
+                      "DROP POLICY jobrunner_all ON agent_work_queue",
                       "CREATE POLICY mine ON agent_work_queue USING (true)",
                       "DELETE FROM jobrunner_tenant_role",
                       "INSERT INTO jobrunner_schema_migrations VALUES (999, 'x')"):
@@ -384,6 +385,153 @@ def test_a_pool_role_spans_exactly_its_tenants(install, two_tenants):
     pool = _login(install, "worker", ("c",), role=f"{install.prefix}_pool_p")
     with psycopg.connect(pool) as conn:
         assert {r[0] for r in conn.execute("SELECT tenant_id FROM agent_work_queue")} == {"c"}
+
+
+def _tenants_seen(dsn: str) -> set[str]:
+    with psycopg.connect(dsn) as conn:
+        return {r[0] for r in conn.execute("SELECT tenant_id FROM agent_work_queue")}
+
+
+def _restrictive_policies(admin_dsn: str, role: str) -> set[str]:
+    """The tables on which a role has a restrictive (tenant) policy."""
+    with psycopg.connect(admin_dsn) as conn:
+        return {r[0] for r in conn.execute(
+            "SELECT polrelid::regclass::text FROM pg_policy WHERE NOT polpermissive"
+            " AND polroles = ARRAY[%s::regrole::oid]", (role,))}
+
+
+def _protected(admin_dsn: str) -> set[str]:
+    with psycopg.connect(admin_dsn) as conn:
+        return {r[0] for r in conn.execute(
+            "SELECT polrelid::regclass::text FROM pg_policy WHERE polname = 'jobrunner_all'")}
+
+
+def test_rebinding_narrows_the_rows_and_unbinding_restores_them(install, two_tenants):
+    """`tenant bind` replaces a role's policies (one per protected table, its tenants in
+    them), and --unbind drops them: the role then sees every tenant, as any unbound
+    worker."""
+    with psycopg.connect(install.admin_dsn) as conn:
+        Queue(conn).enqueue("batch-c", "c", [TaskSpec("c0", {})])
+        conn.commit()
+    role = f"{install.prefix}_pool_q"
+    dsn = _login(install, "worker", ("a", "b"), role=role)
+    assert _tenants_seen(dsn) == {"a", "b"}
+    protected = _protected(install.admin_dsn)
+    assert len(protected) >= 16 and "agent_task_effect" in protected
+    assert _restrictive_policies(install.admin_dsn, role) == protected
+    with psycopg.connect(install.dsn) as conn:
+        roles.bind_tenants(conn, role, ["b"])
+    assert _tenants_seen(dsn) == {"b"}
+    with psycopg.connect(dsn) as conn:
+        assert {r[0] for r in conn.execute("SELECT batch_id FROM agent_task_effect")} == {
+            "batch-b"}
+    with psycopg.connect(install.dsn) as conn:
+        roles.bind_tenants(conn, role, [])
+    assert _restrictive_policies(install.admin_dsn, role) == set()
+    assert _tenants_seen(dsn) == {"a", "b", "c"}
+    with psycopg.connect(install.dsn) as conn:
+        assert roles.bound_roles(conn) == [{"role_name": f"{install.prefix}_worker_a",
+                                            "tenants": ["a"]}]
+
+
+def test_a_role_that_could_set_role_out_of_its_policies_is_not_bound(install):
+    """Policies TO a role bind it while it is the current user: a login role that may SET
+    ROLE to its group (a plain GRANT, PostgreSQL 16+'s default SET TRUE) would leave
+    them, so binding it is refused and nothing is written."""
+    _granted(install)
+    role = f"{install.prefix}_managed"
+    with psycopg.connect(install.admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("GRANT {} TO {}").format(
+            sql.Identifier(f"{install.prefix}_worker"), sql.Identifier(role)))
+    with (psycopg.connect(install.dsn) as conn,
+          pytest.raises(UnsafeBinding, match=f"SET ROLE to {install.prefix}_worker")):
+        roles.bind_tenants(conn, role, ["a"])
+    refused = cli("tenant", "bind", role, "a", dsn=install.dsn)
+    assert refused.returncode != 0 and "can SET ROLE to" in refused.stderr, refused.stderr
+    with psycopg.connect(install.dsn) as conn:
+        assert roles.bound_roles(conn) == []
+    assert _restrictive_policies(install.admin_dsn, role) == set()
+    # granted its group without SET (as CloudNativePG or the platform should): bound
+    with psycopg.connect(install.admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("REVOKE {} FROM {}").format(
+            sql.Identifier(f"{install.prefix}_worker"), sql.Identifier(role)))
+        conn.execute(sql.SQL("GRANT {} TO {} WITH INHERIT TRUE, SET FALSE").format(
+            sql.Identifier(f"{install.prefix}_worker"), sql.Identifier(role)))
+    with psycopg.connect(install.dsn) as conn:
+        roles.bind_tenants(conn, role, ["a"])
+    assert _restrictive_policies(install.admin_dsn, role) == _protected(install.admin_dsn)
+
+
+LATER = """
+CREATE TABLE agent_later (tenant_id text NOT NULL, n int);
+CREATE TABLE agent_later_of_batch (batch_id text NOT NULL, n int);
+INSERT INTO agent_later VALUES ('a', 1), ('b', 2);
+INSERT INTO agent_later_of_batch VALUES ('batch-a', 1), ('batch-b', 2);
+ALTER TABLE agent_later ENABLE ROW LEVEL SECURITY;
+ALTER TABLE agent_later FORCE ROW LEVEL SECURITY;
+CREATE POLICY jobrunner_all ON agent_later USING (true);
+ALTER TABLE agent_later_of_batch ENABLE ROW LEVEL SECURITY;
+ALTER TABLE agent_later_of_batch FORCE ROW LEVEL SECURITY;
+CREATE POLICY jobrunner_all ON agent_later_of_batch USING (true);
+GRANT SELECT ON agent_later, agent_later_of_batch TO PUBLIC;
+"""
+
+
+def test_a_table_a_later_migration_protects_is_covered_after_migrate(
+        install, two_tenants, monkeypatch):
+    """A later migration's table under row-level security (jobrunner_all) gets every bound
+    role's policy when `jobrunner migrate` applies it: no list of tables to keep."""
+    from jobrunner.store import migrate as migrate_module
+    from jobrunner.store.sqlfiles import Migration
+
+    later = Migration(migrations()[-1].version + 1, "later_table", LATER)
+    monkeypatch.setattr(migrate_module, "migrations", lambda: (*migrations(), later))
+    with psycopg.connect(install.dsn) as conn:  # (the installer: a member of the owner)
+        assert migrate(conn) == [f"{later.version:04d}_later_table"]
+    with psycopg.connect(two_tenants["a_dsn"]) as conn:
+        assert conn.execute("SELECT tenant_id FROM agent_later").fetchall() == [("a",)]
+        assert conn.execute("SELECT batch_id FROM agent_later_of_batch").fetchall() == [
+            ("batch-a",)]
+
+
+def test_an_install_bound_before_the_per_role_policies_is_bound_after_upgrading(
+        install, monkeypatch):
+    """Bindings made under migration 0022's policies (by session_user) are given their
+    per-role policies by the migration that replaces them (0026), in its transaction."""
+    from jobrunner.store import migrate as migrate_module
+
+    older = tuple(m for m in migrations() if m.version < 26)
+    monkeypatch.setattr(migrate_module, "migrations", lambda: older)
+    _granted(install)
+    with psycopg.connect(install.admin_dsn) as conn:
+        for tenant in ("a", "b"):
+            Queue(conn).enqueue(f"batch-{tenant}", tenant, [TaskSpec("k", {})])
+        # (what the grants of then gave: 0022's policies read the bindings as the user)
+        conn.execute(sql.SQL("GRANT SELECT ON jobrunner_tenant_role TO {}").format(
+            sql.Identifier(f"{install.prefix}_worker")))
+        conn.commit()
+    a = _login(install, "worker", ("a",))
+    assert _tenants_seen(a) == {"a"}  # (0022's policies)
+    monkeypatch.undo()
+    with psycopg.connect(install.dsn) as conn:
+        assert "0026_tenant_policies_per_role" in migrate(conn)
+    assert _tenants_seen(a) == {"a"}
+    _denied(a, "SELECT * FROM jobrunner_tenant_role")  # (nothing reads them any more)
+    assert _restrictive_policies(install.admin_dsn, conninfo_to_dict(a)["user"]) == (
+        _protected(install.admin_dsn))
+
+
+def test_a_bound_roles_policy_through_its_batch_runs_once_per_statement(install, two_tenants):
+    """Effects, usage and task keys have no tenant column: their policy is an uncorrelated
+    IN over the tenants' batches, a hashed SubPlan built once per statement, not a probe
+    of agent_batch per row."""
+    with psycopg.connect(two_tenants["a_dsn"]) as conn:
+        for table in ("agent_task_effect", "agent_task_usage", "agent_batch_usage",
+                      "agent_task_key"):
+            plan = "\n".join(r[0] for r in conn.execute(sql.SQL(
+                "EXPLAIN SELECT * FROM {}").format(sql.Identifier(table))))
+            assert "hashed SubPlan" in plan, plan
 
 
 def test_tenant_create_prints_a_dsn_and_its_worker_completes_its_own_tasks(install, tmp_path):

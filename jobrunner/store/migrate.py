@@ -38,7 +38,8 @@ def migrate(conn: psycopg.Connection) -> list[str]:
 
     With the components' roles (`jobrunner db grant`, docs/security.md) only the owner
     runs DDL: a member of the owner role migrates as the owner, and the roles are then
-    granted what the new migrations added; any other role (the operator's, which
+    granted what the new migrations added, and the roles bound to tenants given their
+    row policies on every protected table again; any other role (the operator's, which
     migrates on first use) finds nothing to do, or is told who must migrate.
     """
     with conn.transaction():
@@ -73,9 +74,12 @@ def migrate_locked(conn: psycopg.Connection) -> list[str]:
             f"run `jobrunner migrate` (or `jobrunner db grant`) with the DSN of the owner of "
             f"jobrunner's tables ({owner['owner'] if owner else 'the installing role'}) "
             "or of a member of it") from None
-    recorded = privileges.recorded_roles(conn) if applied_now else {}
-    if recorded:
-        privileges.apply_privileges(conn, recorded)
+    if applied_now:
+        recorded = privileges.recorded_roles(conn)
+        if recorded:
+            privileges.apply_privileges(conn, recorded)
+        # (a new protected table needs the bound roles' policies too)
+        privileges.apply_tenant_policies(conn)
     return applied_now
 
 

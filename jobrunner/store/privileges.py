@@ -1,6 +1,8 @@
 """The owner of jobrunner's tables and what the components' roles are granted
-(sql/grants/privileges.sql): what `jobrunner migrate` needs of roles (it acts as the
-owner, and grants the roles what a new migration added). The roles themselves are made
+(sql/grants/privileges.sql), and the row policies of login roles bound to tenants
+(sql/grants/tenant_policies.sql): what `jobrunner migrate` needs of roles (it acts as the
+owner, grants the roles what a new migration added, and re-applies the bindings'
+policies, which a new protected table needs too). The roles themselves are made
 by jobrunner/store/roles.py (`jobrunner db grant`), which uses these too.
 
 Role names are identifiers, which PostgreSQL's utility statements (CREATE ROLE, GRANT,
@@ -10,11 +12,12 @@ which quotes them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import psycopg
 from psycopg import sql
 
+from jobrunner.model.errors import JobrunnerError
 from jobrunner.store.session import Statement, run
 from jobrunner.store.sqlfiles import sql_dir
 
@@ -64,3 +67,66 @@ def apply_privileges(conn: psycopg.Connection, roles: Mapping[str, str]) -> None
                                   **{c: sql.Identifier(r) for c, r in roles.items()
                                      if c != "owner"})
     conn.execute(script)
+
+
+# -- the row policies of login roles bound to tenants (sql/grants/tenant_policies.sql) ----
+
+PROTECTED = Statement("tenant_policy_tables")
+POLICY_ROLE = Statement("tenant_policy_role")
+POLICIES_OF = Statement("tenant_policy_of_role")
+POLICY_DROP = Statement("tenant_policy_drop")
+POLICY_BY = {"tenant": Statement("tenant_policy_by_tenant"),
+             "batch": Statement("tenant_policy_by_batch"),
+             "file": Statement("tenant_policy_by_file")}
+BINDINGS = Statement("tenant_role_list")
+
+
+class UnsafeBinding(JobrunnerError):
+    """A login role that could step out of its tenants' row policies."""
+
+
+def set_tenant_policies(conn: psycopg.Connection, role: str, tenants: Sequence[str]) -> None:
+    """Give a login role exactly its tenants' row policies, one per protected table (no
+    tenants: none, and it sees every row). In the caller's transaction, as the owner of
+    the tables. Refuses a role that could leave them (SET ROLE to another role, or bypass
+    row-level security): policies TO a role bind it only while it is the current user."""
+    found = run(conn, POLICY_ROLE, {"role": role}).fetchone()
+    for old in run(conn, POLICIES_OF, {"role": role}).fetchall():
+        utility(conn, POLICY_DROP, policy=old["policy_name"], table=old["table_name"])
+    if not tenants:
+        return
+    if found is None:
+        raise UnsafeBinding(f"role {role!r} does not exist")
+    if found["bypasses"]:
+        raise UnsafeBinding(f"role {role!r} is a superuser or has BYPASSRLS: row-level "
+                            "security cannot bind it to tenants")
+    if found["can_become"]:
+        raise UnsafeBinding(
+            f"role {role!r} can SET ROLE to {found['can_become']}, and so leave its "
+            "tenants' row policies (they apply while it is the current user): grant it "
+            "its component's role WITH INHERIT TRUE, SET FALSE (PostgreSQL 16 or later; "
+            "`jobrunner tenant create` does) and no other role"
+            + ("" if conn.info.server_version >= 160000 else
+               "; before PostgreSQL 16 every membership allows SET ROLE, so a role bound "
+               "to tenants needs PostgreSQL 16 or later"))
+    name = f"jobrunner_tenant_{found['oid']}"
+    for table in run(conn, PROTECTED).fetchall():
+        if table["via"] is None:
+            raise UnsafeBinding(f"table {table['table_name']} is under row-level security "
+                                "but has no tenant_id, batch_id or file_id to bind it by")
+        conn.execute(sql.SQL(POLICY_BY[table["via"]].sql).format(
+            policy=sql.Identifier(name), table=sql.Identifier(table["table_name"]),
+            role=sql.Identifier(role), tenants=sql.Literal(list(tenants))))
+
+
+def apply_tenant_policies(conn: psycopg.Connection) -> list[str]:
+    """Re-make every binding's row policies (after a migration: a new protected table,
+    or migration 0026 replacing 0022's policies). Returns the bound roles that do not
+    exist (their bindings wait for them: `jobrunner tenant bind` once made again)."""
+    missing = []
+    for binding in run(conn, BINDINGS).fetchall():
+        if run(conn, POLICY_ROLE, {"role": binding["role_name"]}).fetchone() is None:
+            missing.append(binding["role_name"])
+            continue
+        set_tenant_policies(conn, binding["role_name"], binding["tenants"])
+    return missing

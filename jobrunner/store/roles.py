@@ -28,7 +28,9 @@ from jobrunner.store.privileges import (
     SET_LOCAL,
     act_as_owner,
     apply_privileges,
+    apply_tenant_policies,
     recorded_roles,
+    set_tenant_policies,
     utility,
     whoami,
 )
@@ -115,6 +117,7 @@ def grant(conn: psycopg.Connection, prefix: str = "jobrunner") -> GrantReport:
         for component, name in roles.items():
             run(conn, RECORD, {"component": component, "role": name})
         apply_privileges(conn, roles)
+        apply_tenant_policies(conn)
     return GrantReport(created, applied, roles)
 
 
@@ -155,15 +158,14 @@ def create_login(conn: psycopg.Connection, dsn: str, role: str, component: str,
         conn.execute(sql.SQL(statement.sql).format(role=sql.Identifier(role),
                                                    verifier=verifier))
         # A login role bound to a tenant inherits its group's privileges but cannot SET
-        # ROLE to the group (PostgreSQL 16+). Not that it could widen its rows by it: the
-        # binding follows session_user, which SET ROLE does not change.
+        # ROLE to the group (PostgreSQL 16+): its row policies are TO it, and apply while
+        # it is the current user. Before 16 a membership allows SET ROLE, and binding
+        # it to tenants is refused (privileges.set_tenant_policies).
         utility(conn, GRANT_NO_SET if _modern(conn) else GRANT, group=group, member=role)
         # The bindings are the owner's table: written as the owner, last (SET LOCAL ROLE
         # holds until the transaction ends).
         act_as_owner(conn)
-        run(conn, UNBIND, {"role": role})
-        if tenants:
-            run(conn, BIND, {"role": role, "tenants": list(tenants)})
+        _bind(conn, role, tenants)
     params = {k: v for k, v in conninfo_to_dict(dsn).items() if v is not None}
     params.update(user=role, password=password)
     return Login(role, make_conninfo(**params), created)
@@ -172,16 +174,23 @@ def create_login(conn: psycopg.Connection, dsn: str, role: str, component: str,
 def bind_tenants(conn: psycopg.Connection, role: str, tenants: Sequence[str]) -> None:
     """Bind an existing login role (made elsewhere: CloudNativePG's managed roles, a
     cloud's IAM role) to exactly these tenants; no tenants: unbind it. Its privileges
-    come from the worker role, which it must be a member of."""
+    come from the worker role, which it must be a member of WITH SET FALSE (a role that
+    can SET ROLE to another is refused: it could leave its row policies)."""
     check_role_name(role)
     with conn.transaction():
         if not _exists(conn, role):
             raise BadInput(f"role {role!r} does not exist: create it first (e.g. a managed "
                            "role in the worker role), or use `jobrunner tenant create`")
         act_as_owner(conn)
-        run(conn, UNBIND, {"role": role})
-        if tenants:
-            run(conn, BIND, {"role": role, "tenants": list(tenants)})
+        _bind(conn, role, tenants)
+
+
+def _bind(conn: psycopg.Connection, role: str, tenants: Sequence[str]) -> None:
+    """The binding and the row policies that enforce it (as the owner of the tables)."""
+    run(conn, UNBIND, {"role": role})
+    if tenants:
+        run(conn, BIND, {"role": role, "tenants": list(tenants)})
+    set_tenant_policies(conn, role, tenants)
 
 
 def bound_roles(conn: psycopg.Connection) -> list[dict]:

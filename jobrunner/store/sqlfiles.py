@@ -46,12 +46,14 @@ def migrations() -> tuple[Migration, ...]:
     return tuple(found)
 
 
-# The files of named queries: one per table family, one namespace, names entity then verb.
+# The files of named queries: one per table family, one namespace, names entity then verb
+# (and the bound roles' row policies, kept with the other grants).
 QUERY_FILES = ("queries/tasks.sql", "queries/batches.sql", "queries/effects.sql",
                "queries/results.sql", "queries/flowcontrol.sql", "queries/reduce.sql",
                "queries/workerpools.sql", "queries/generators.sql", "queries/session.sql",
                "queries/migrations.sql",
-               "queries/batch_api.sql", "queries/audit.sql", "queries/roles.sql")
+               "queries/batch_api.sql", "queries/audit.sql", "queries/roles.sql",
+               "grants/tenant_policies.sql")
 _DIRECTIVE = re.compile(r"^--\s*(name|fragment|include):\s*(\w+)\s*$")
 
 

@@ -54,9 +54,8 @@ REVOKE EXECUTE ON FUNCTION
     jobrunner_task_key_insert(),
     jobrunner_task_key_truncate()
 FROM PUBLIC;
--- The row policies read the tenants' bindings as the querying role (each role sees its
--- own rows only: that table's policy, migration 0022).
-GRANT SELECT ON jobrunner_tenant_role TO {operator}, {worker}, {api}, {readonly};
+-- (The tenants' bindings, jobrunner_tenant_role: no component reads them. The row
+-- policies hold each bound role's tenants as constants, sql/grants/tenant_policies.sql.)
 
 -- ---------------------------------------------------------------------------------------
 -- worker: claim, ack, fail, heartbeat, release, expiry; effects (task.once), usage and
