@@ -241,3 +241,37 @@ def test_off_stores_no_context_and_sends_nothing(dsn, conn, tmp_path, jaeger):
                           *FAST, env=env, log=tmp_path / "worker.log")
     assert worker.wait(60) == 0
     assert "jobrunner-quiet" not in jaeger.services()
+
+
+def test_a_command_handler_continues_the_attempts_trace():
+    """A command handler gets its attempt's context as TRACEPARENT (OpenTelemetry's
+    environment carrier), and a usage report lands on the attempt's span."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from jobrunner.runtime.task import Task
+    from jobrunner.runtime.taskhandlers import CommandHandler
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    tracing.use(provider)
+    try:
+        task = Task(id=1, key="k", batch_id="b", tenant_id="acme", shard_key=None, payload={},
+                    attempt=1, max_attempts=3, worker_id="w")
+        with tracing.process_span(task_id=1, key="k", batch_id="b", tenant_id="acme",
+                                  shard_key=None, attempt=1, max_attempts=3, due_at=None,
+                                  load_context=lambda _: None) as attempt:
+            out = CommandHandler("printf '%s' \"$TRACEPARENT\"")(task)
+            tracing.record_usage(7, 3, 4, 0.5)
+            tracing.end_attempt(attempt, "done")
+    finally:
+        tracing.use(None)
+    (span,) = exported.get_finished_spans()
+    ctx = span.get_span_context()
+    # (its flags: sampled, and the SDK's random trace id flag)
+    assert out["stdout"].rsplit("-", 1)[0] == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}"
+    assert span.attributes["jobrunner.usage.tokens"] == 7
+    assert span.attributes["jobrunner.usage.cost"] == 0.5
+    assert span.attributes["jobrunner.outcome"] == "done"
