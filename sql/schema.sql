@@ -517,7 +517,8 @@ CREATE TABLE public.agent_work_queue (
     tokens bigint,
     throttles integer,
     pool text,
-    vtag double precision
+    vtag double precision,
+    trace_context jsonb
 )
 WITH (autovacuum_vacuum_scale_factor='0.01', autovacuum_vacuum_threshold='1000', autovacuum_analyze_scale_factor='0.02', autovacuum_vacuum_cost_limit='2000', fillfactor='80');
 
@@ -554,7 +555,8 @@ CREATE TABLE public.agent_work_queue_archive (
     tokens bigint,
     throttles integer,
     pool text,
-    vtag double precision
+    vtag double precision,
+    trace_context jsonb
 );
 
 ALTER TABLE ONLY public.agent_work_queue_archive FORCE ROW LEVEL SECURITY;

@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jobrunner.queue",),
     ("jobrunner.store",),
     ("jobrunner.model",),
+    ("jobrunner.observability",),  # traces: imports nothing of jobrunner
 )
 # The public names at the package's root (`from jobrunner import Task`,
 # `jobrunner.openai_batch:handle`): they re-export from the layers and nothing imports them.

@@ -23,6 +23,7 @@ from jobrunner.cli.workerpools import register as register_pools
 from jobrunner.model.errors import BadInput, JobrunnerError
 from jobrunner.model.logs import setup_logging
 from jobrunner.model.usage import BatchUsage
+from jobrunner.observability import tracing
 from jobrunner.queue.client import Queue
 from jobrunner.store import db
 from jobrunner.store.migrate import migrate as apply_migrations
@@ -194,6 +195,7 @@ def worker(
     # of exiting; a DSN that never works still fails with its error.
     db.retrying(check_batch, attempts=8)
     code = run_worker(config)
+    tracing.shutdown()  # (os._exit runs no atexit hook: the last spans are sent here)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -343,6 +345,8 @@ def run(
 
 
 def main() -> None:
+    # Traces, if the OTEL_* environment asks for them (docs/observability.md).
+    tracing.configure("jobrunner")
     try:
         app(standalone_mode=True, prog_name="jobrunner")
     except BadInput as exc:

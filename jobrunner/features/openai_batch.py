@@ -42,6 +42,7 @@ from jobrunner.model.validation import (
     json_type,
     parse_jsonl,
 )
+from jobrunner.observability import tracing
 from jobrunner.runtime.task import Task
 
 # The endpoints the Batch API accepts in an input file's "url".
@@ -166,27 +167,44 @@ def handle(task: Task) -> Any:
     if endpoint.model:
         body["model"] = endpoint.model
     task.check_lease()
-    # Timeouts and connection errors propagate as they are: retried with backoff.
-    response = _client(endpoint).post(endpoint.url(task.payload["url"]), json=body)
-    if response.is_success:
-        try:
-            result = response.json()
-        except ValueError:
-            raise OpenAIServerError(f"HTTP {response.status_code}: the response body is "
-                                    "not JSON") from None
-        _report_usage(task, result, route)
-        return result
-    status = response.status_code
-    code, message = _api_error(response)
-    text = error_text(status, code, message)
-    if status == 429:
-        retry_after = _retry_after(response)
-        # No attempt used; the limit (by default every limit the task names) waits.
-        raise RateLimited(retry_after=retry_after or DEFAULT_RETRY_AFTER,
-                          limit=endpoint.rate_limit, message=text)
-    if status >= 500 or status in RETRYABLE_STATUS:
-        raise OpenAIServerError(text, _retry_after(response))
-    raise OpenAIRequestError(text)
+    url = endpoint.url(task.payload["url"])
+    with tracing.model_call_span(_operation(task.payload["url"]), body.get("model"),
+                                 server=httpx.URL(url).host) as span:
+        # Timeouts and connection errors propagate as they are: retried with backoff.
+        response = _client(endpoint).post(url, json=body, headers=tracing.headers())
+        if span is not None:
+            span.set_attribute("http.response.status_code", response.status_code)
+        if response.is_success:
+            try:
+                result = response.json()
+            except ValueError:
+                raise OpenAIServerError(f"HTTP {response.status_code}: the response body is "
+                                        "not JSON") from None
+            tracing.model_call_usage(span, result)
+            _report_usage(task, result, route)
+            return result
+        status = response.status_code
+        code, message = _api_error(response)
+        text = error_text(status, code, message)
+        if status == 429:
+            retry_after = _retry_after(response)
+            # No attempt used; the limit (by default every limit the task names) waits.
+            raise RateLimited(retry_after=retry_after or DEFAULT_RETRY_AFTER,
+                              limit=endpoint.rate_limit, message=text)
+        if status >= 500 or status in RETRYABLE_STATUS:
+            raise OpenAIServerError(text, _retry_after(response))
+        raise OpenAIRequestError(text)
+
+
+def _operation(path: str) -> str:
+    """The gen_ai.operation.name of a request's endpoint."""
+    if path.endswith("/chat/completions"):
+        return "chat"
+    if path.endswith("/embeddings"):
+        return "embeddings"
+    if path.endswith("/completions"):
+        return "text_completion"
+    return path.rsplit("/", 1)[-1] or "request"
 
 
 def _api_error(response: httpx.Response) -> tuple[str | None, str]:

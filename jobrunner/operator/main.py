@@ -9,6 +9,7 @@ import os
 import kopf
 
 from jobrunner.model.logs import setup_logging
+from jobrunner.observability import tracing
 from jobrunner.operator import metrics
 
 # Importing registers the handlers (login, BatchRun, BatchRunSchedule, WorkerPool) in
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
                         default=int(os.environ.get("JOBRUNNER_HEALTH_PORT", "8081")))
     parser.add_argument("--log-format", default=os.environ.get("JOBRUNNER_LOG_FORMAT", "json"))
     parser.add_argument("--log-level", default=os.environ.get("JOBRUNNER_LOG_LEVEL", "info"))
+    tracing.configure("jobrunner-controller")  # if OTEL_* asks for traces
     args = parser.parse_args(argv)
 
     namespaces = args.namespace or [n for n in os.environ.get("WATCH_NAMESPACES", "").split(",")

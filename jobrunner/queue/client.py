@@ -28,6 +28,7 @@ from jobrunner.model.validation import (
     check_tokens,
     encode_payload,
 )
+from jobrunner.observability import tracing
 from jobrunner.store import batches
 from jobrunner.store import flowcontrol as flow
 from jobrunner.store import reduce as reduce_store
@@ -146,7 +147,8 @@ class Queue:
                         if task.tokens is not None else default_tokens)
             rows.append((key, shard, payload, attempts, list(own) if own else default_limits,
                          estimate))
-        with self._tx():
+        with tracing.enqueue_span(batch_id, tenant_id, pool=pool) as span, self._tx():
+            trace_context = tracing.carrier() if span is not None else None
             batch = (batches.ensure(self.conn, batch_id, tenant_id) if pool is None else
                      pools.ensure_batch(self.conn, batch_id, tenant_id, pool, priority))
             if batch["tenant_id"] != tenant_id:
@@ -162,9 +164,10 @@ class Queue:
             if reduce is not None:
                 reduce_store.set_spec(self.conn, batch_id, json.dumps(reduce))
             if pool is None:
-                new = task_store.insert_staged(self.conn, batch_id, tenant_id)
+                new = task_store.insert_staged(self.conn, batch_id, tenant_id, trace_context)
             else:
-                new = pools.enqueue_staged(self.conn, batch_id, tenant_id, pool, priority)
+                new = pools.enqueue_staged(self.conn, batch_id, tenant_id, pool, priority,
+                                           trace_context)
             # (a new statement: ensure_batch locked the batch row, so a reduce enqueued
             # before is visible, and none can be enqueued until this commits)
             if new and reduce_store.enqueued(self.conn, batch_id):
@@ -173,6 +176,9 @@ class Queue:
                                "batch id")
             if new:
                 batches.notify(self.conn, batch_id)
+            if span is not None:
+                span.set_attribute("messaging.batch.message_count", len(rows))
+                span.set_attribute("jobrunner.enqueue.new", new)
         return EnqueueResult(new=new, existing=len(rows) - new)
 
     # -- the lease life cycle ------------------------------------------------------

@@ -32,6 +32,7 @@ from typing import IO, Any
 
 from jobrunner.model.errors import BadInput, LeaseLost, PermanentError, RateLimited
 from jobrunner.model.usage import EXIT_RATE_LIMITED, USAGE_FILE_ENV, read_usage_file
+from jobrunner.observability import tracing
 from jobrunner.runtime.task import Task
 
 EXIT_RETRY = 75
@@ -137,6 +138,9 @@ class CommandHandler:
             "JOBRUNNER_IDEMPOTENCY_KEY": task.idempotency_key(),
         })
         env.pop("JOBRUNNER_DATABASE_URL", None)  # the command gets the task, not the queue
+        # The attempt's trace context, as OpenTelemetry's environment carrier names it
+        # (TRACEPARENT, TRACESTATE, BAGGAGE): a traced command continues the attempt's trace.
+        env.update({name.upper(): value for name, value in tracing.headers().items()})
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 _usage_file() as usage_path:
             env[USAGE_FILE_ENV] = usage_path

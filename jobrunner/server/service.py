@@ -15,6 +15,7 @@ from jobrunner.features import results
 from jobrunner.features.openai_batch import ENDPOINTS, error_line, output_line
 from jobrunner.model.errors import BadInput
 from jobrunner.model.validation import MAX_KEY_CHARS, MAX_PAYLOAD_BYTES
+from jobrunner.observability import tracing
 from jobrunner.server import faults
 from jobrunner.server.context import HANDLER, Context
 from jobrunner.server.errors import APIError, not_found
@@ -140,11 +141,13 @@ def create_batch(ctx: Context, who: str, body: Any, idempotency: str | None
         try:
             # The file is read on a second connection: the first is busy with the COPY
             # its lines stream into.
-            with ctx.db.connection() as reader, conn.transaction():
+            with (tracing.enqueue_span(batch_id, who, pool=settings.pool),
+                  ctx.db.connection() as reader, conn.transaction()):
                 store.enqueue_batch(conn, batch_id=batch_id, tenant_id=who, pool=settings.pool,
                                     handler=HANDLER, rows=_tasks(
                                         reader, file["file_id"], endpoint, routes,
-                                        settings.max_attempts, found))
+                                        settings.max_attempts, found),
+                                    trace_context=tracing.carrier())
                 if not found.get("total"):
                     raise APIError(400, "The input file has no requests",
                                    param="input_file_id", code="empty_file")

@@ -170,8 +170,8 @@ def batch_by_idempotency(conn: psycopg.Connection, tenant_id: str, key: str) -> 
 
 
 def enqueue_batch(conn: psycopg.Connection, *, batch_id: str, tenant_id: str, pool: str,
-                  handler: str, rows: Iterable[tuple[str, str, int, list[str] | None]]
-                  ) -> int:
+                  handler: str, rows: Iterable[tuple[str, str, int, list[str] | None]],
+                  trace_context: str | None = None) -> int:
     """Inside the caller's transaction: the queue batch `batch_id` in `pool`, one task per
     row (key, payload JSON text, max attempts, limits), streamed into COPY as `rows`
     yields them (it may raise: the transaction then writes nothing). Every limit named
@@ -188,7 +188,7 @@ def enqueue_batch(conn: psycopg.Connection, *, batch_id: str, tenant_id: str, po
             copy.write_row((key, None, payload, attempts, limits, None))
             named.update(limits or ())
     flow.require_known(conn, named)
-    return pools.enqueue_staged(conn, batch_id, tenant_id, pool, 0)
+    return pools.enqueue_staged(conn, batch_id, tenant_id, pool, 0, trace_context)
 
 
 def insert_batch(conn: psycopg.Connection, **values: Any) -> None:

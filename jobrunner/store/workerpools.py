@@ -60,14 +60,16 @@ def batch_handler(conn: psycopg.Connection, batch_id: str) -> tuple[bool, str | 
 
 
 def enqueue_staged(conn: psycopg.Connection, batch_id: str, tenant_id: str, pool: str,
-                   priority: int) -> int:
+                   priority: int, trace_context: str | None = None) -> int:
     """Inside the enqueue's transaction, once the tasks are staged: lay their tags and
-    insert them; returns how many are new."""
+    insert them, with the enqueue's trace context (JSON or None); returns how many are
+    new."""
     cur = conn.cursor(row_factory=dict_row)
     key = {"pool": pool, "tenant_id": tenant_id, "priority": priority, "batch_id": batch_id}
     start = cur.execute(query("pool_enqueue_start"), key).fetchone()
     new = cur.execute(query("pool_insert_staged"), {
-        **key, "vstart": start["vstart"], "vstride": start["vstride"]}).fetchone()["new"]
+        **key, "vstart": start["vstart"], "vstride": start["vstride"],
+        "trace_context": trace_context}).fetchone()["new"]
     if new and start["relay"]:
         # The batch joins batches of its tenant (and priority) that have pending tasks:
         # they share the stream's part round-robin from here on.

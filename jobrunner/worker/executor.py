@@ -30,10 +30,12 @@ from typing import Any
 
 from jobrunner.model.errors import LeaseLost, PermanentError, RateLimited
 from jobrunner.model.types import Lease, Outcome
+from jobrunner.observability import tracing
 from jobrunner.queue.client import dumps_result
 from jobrunner.runtime.task import Task
 from jobrunner.store import db
 from jobrunner.store import flowcontrol as limits
+from jobrunner.store import tasks as task_store
 from jobrunner.worker.completer import Completer
 from jobrunner.worker.state import Running, WorkerState
 
@@ -73,7 +75,22 @@ class Executor:
             state.wake.set()
 
     def outcome(self, lease: Lease, task: Task) -> Outcome:
-        """Run the handler once and say how the attempt ended."""
+        """Run the handler once and say how the attempt ended; traced, when tracing is on,
+        in the attempt's CONSUMER span (jobrunner/observability/tracing.py)."""
+        if not tracing.enabled():
+            return self._outcome(lease, task)
+        with tracing.process_span(
+                task_id=lease.id, key=lease.key, batch_id=lease.batch_id,
+                tenant_id=lease.tenant_id, shard_key=lease.shard_key, attempt=lease.attempt,
+                max_attempts=lease.max_attempts,
+                due_at=lease.run_after.timestamp() if lease.run_after else None,
+                load_context=lambda task_id: _stored_trace_context(task, task_id)) as attempt:
+            outcome = self._outcome(lease, task)
+            tracing.end_attempt(attempt, _outcome_name(outcome, task), outcome.error,
+                                retry_after=outcome.throttle_after)
+        return outcome
+
+    def _outcome(self, lease: Lease, task: Task) -> Outcome:
         try:
             result = self.handler(task)
         except LeaseLost as exc:
@@ -131,6 +148,27 @@ class Executor:
     def shutdown(self) -> None:
         # (not waiting: a thread stuck in a handler that ignores its lost lease never ends)
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _stored_trace_context(task: Task, task_id: int) -> str | None:
+    effects = task._effects  # (the handler's connections; none in some unit tests)
+    if effects is None:
+        return None
+    return effects.run(lambda conn: task_store.trace_context(conn, task_id))
+
+
+def _outcome_name(outcome: Outcome, task: Task) -> str:
+    """An attempt's outcome as its span says it (tracing.OUTCOMES). Dead is foreseen here,
+    as the `task_fail` query decides it: a permanent failure, or the last attempt."""
+    if outcome.ok:
+        return "done"
+    if outcome.throttle_after is not None:
+        return "rate_limited"
+    if task.lease_lost.is_set():
+        return "lease_lost"
+    if outcome.permanent or outcome.lease.attempt >= outcome.lease.max_attempts:
+        return "dead"
+    return "retry"
 
 
 def describe(exc: BaseException) -> str:

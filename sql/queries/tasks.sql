@@ -17,6 +17,11 @@
 -- rows instead: statistics taken when few rows were leased make that index look
 -- cheapest, but its scan reads every live lease of every worker.
 
+-- name: task_trace_context
+-- The trace context its enqueue stored with a task (migration 0027), for the link of a
+-- sampled attempt's span; NULL when the enqueue was not traced.
+SELECT trace_context::text AS trace_context FROM agent_work_queue WHERE id = %(id)s;
+
 -- name: task_stage_create
 -- Create the transaction's staging table that enqueue COPYs its rows into.
 CREATE TEMP TABLE jobrunner_enqueue_stage (
@@ -36,9 +41,9 @@ FROM STDIN;
 -- task table's insert trigger skips a row whose key is in agent_task_key, sql/schema.sql).
 WITH inserted AS (
     INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, shard_key, payload, max_attempts,
-                                  limits, tokens)
+                                  limits, tokens, trace_context)
     SELECT %(batch_id)s, %(tenant_id)s, s.task_key, s.shard_key, s.payload, s.max_attempts,
-           s.limits, s.tokens
+           s.limits, s.tokens, %(trace_context)s::jsonb
     FROM jobrunner_enqueue_stage s
     ORDER BY s.task_key
     RETURNING 1

@@ -36,10 +36,11 @@ FROM jobrunner_pool_start(%(pool)s, %(tenant_id)s, %(priority)s, %(batch_id)s);
 -- the last one laid.
 WITH inserted AS (
     INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, shard_key, payload, max_attempts,
-                                  limits, tokens, pool, vtag)
+                                  limits, tokens, pool, vtag, trace_context)
     SELECT %(batch_id)s, %(tenant_id)s, s.task_key, s.shard_key, s.payload, s.max_attempts,
            s.limits, s.tokens, %(pool)s,
-           %(vstart)s::float8 + (row_number() OVER (ORDER BY s.task_key)) * %(vstride)s::float8
+           %(vstart)s::float8 + (row_number() OVER (ORDER BY s.task_key)) * %(vstride)s::float8,
+           %(trace_context)s::jsonb
     FROM jobrunner_enqueue_stage s
     ORDER BY s.task_key
     RETURNING vtag

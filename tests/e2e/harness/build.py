@@ -11,6 +11,8 @@ Binaries land in ``$JOBRUNNER_E2E_CACHE`` (default ``~/.cache/jobrunner-e2e``):
     k8s-<K8S_VERSION>/bin/{kube-apiserver,kube-controller-manager,kubectl,etcd}
     helm-<HELM_VERSION>/bin/helm
     kueue-<KUEUE_VERSION>/bin/kueue, kueue-<KUEUE_VERSION>/assets/config/components/{crd,webhook}
+    jaeger-<JAEGER_VERSION>/bin/jaeger
+    prometheus-<PROMETHEUS_VERSION>/bin/{prometheus,promtool}
     bin-k8s-<K8S_VERSION>-helm-<HELM_VERSION>/   (symlinks to all of the above; printed)
 
 Versions are pinned here and only here.
@@ -34,6 +36,10 @@ HELM_VERSION = "v4.3.2"  # helm.sh/helm/v4 (built against k8s.io/* v0.37.2)
 CONTAINERD_VERSION = "v2.4.2"  # github.com/containerd/containerd/v2
 BUILDKIT_VERSION = "v0.34.2"  # github.com/moby/buildkit
 KUEUE_VERSION = "v0.17.0"  # sigs.k8s.io/kueue (cmd/kueue; its CRDs come from the same module)
+JAEGER_VERSION = "v1.75.0"  # github.com/jaegertracing/jaeger (cmd/jaeger: the trace store of tests)
+# github.com/prometheus/prometheus (Prometheus v3.16.0's module version): promtool checks and
+# tests the chart's alert rules (tests/test_alerts.py)
+PROMETHEUS_VERSION = "v0.316.0"
 # etcd is go.etcd.io/etcd/server/v3 at the version k8s.io/kubernetes itself requires.
 # runc, the CNI loopback plugin and debootstrap are Debian packages (`make system-deps`).
 # -------------------------------------------------------------------------------
@@ -45,8 +51,10 @@ HELM_BINARIES = ("helm",)
 CONTAINERD_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr")
 BUILDKIT_BINARIES = ("buildkitd", "buildctl")
 KUEUE_BINARIES = ("kueue",)
+JAEGER_BINARIES = ("jaeger",)
+PROMETHEUS_BINARIES = ("prometheus", "promtool")
 ALL_BINARIES = (K8S_BINARIES + HELM_BINARIES + CONTAINERD_BINARIES + BUILDKIT_BINARIES
-                + KUEUE_BINARIES)
+                + KUEUE_BINARIES + JAEGER_BINARIES + PROMETHEUS_BINARIES)
 
 
 class GoModule:
@@ -84,6 +92,18 @@ KUEUE = GoModule(
     ("config/components/crd", "config/components/webhook"),
 )
 
+# Jaeger's all-in-one (OTLP receiver, in-memory store, query API): tests/test_tracing_jaeger.py.
+JAEGER = GoModule(
+    "jaeger", "github.com/jaegertracing/jaeger", JAEGER_VERSION, ("cmd/jaeger",),
+    JAEGER_BINARIES, (),
+)
+
+PROMETHEUS = GoModule(
+    "prometheus", "github.com/prometheus/prometheus", PROMETHEUS_VERSION,
+    ("cmd/prometheus", "cmd/promtool"), PROMETHEUS_BINARIES,
+    ("github.com/prometheus/common/version.Version",),
+)
+
 _STAMP = ".complete"
 
 
@@ -108,7 +128,8 @@ def bin_dir() -> Path:
     """The directory holding (symlinks to) every binary the harness uses."""
     return cache_root() / (f"bin-k8s-{K8S_VERSION}-helm-{HELM_VERSION}"
                            f"-containerd-{CONTAINERD_VERSION}-buildkit-{BUILDKIT_VERSION}"
-                           f"-kueue-{KUEUE_VERSION}")
+                           f"-kueue-{KUEUE_VERSION}-jaeger-{JAEGER_VERSION}"
+                           f"-prometheus-{PROMETHEUS_VERSION}")
 
 
 def _complete(d: Path, names) -> bool:
@@ -397,6 +418,8 @@ def ensure_binaries(force: bool = False) -> Path:
             CONTAINERD_BINARIES: build_module(CONTAINERD, force),
             BUILDKIT_BINARIES: build_module(BUILDKIT, force),
             KUEUE_BINARIES: build_module(KUEUE, force),
+            JAEGER_BINARIES: build_module(JAEGER, force),
+            PROMETHEUS_BINARIES: build_module(PROMETHEUS, force),
         }
         _link(dirs)
     _log(f"binaries ready in {time.monotonic() - t0:.1f}s")
@@ -425,7 +448,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.print_versions:
         print(f"kubernetes {K8S_VERSION}\nhelm {HELM_VERSION}\ncontainerd {CONTAINERD_VERSION}\n"
-              f"buildkit {BUILDKIT_VERSION}\nkueue {KUEUE_VERSION}")
+              f"buildkit {BUILDKIT_VERSION}\nkueue {KUEUE_VERSION}\njaeger {JAEGER_VERSION}"
+              f"\nprometheus {PROMETHEUS_VERSION}")
         return 0
     if not go_available() and not binaries_present():
         print("go is not installed and the e2e binaries are not cached", file=sys.stderr)

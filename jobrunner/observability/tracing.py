@@ -1,0 +1,308 @@
+"""Traces (docs/observability.md): a PRODUCER span per enqueue, whose W3C context is stored
+with every task it wrote, and per attempt a CONSUMER `process` span LINKED to it (not its
+child: an attempt may run hours later, in a trace of its own), with the messaging
+semantic conventions' attributes and ours; the handler's spans are children of it.
+
+Only opentelemetry-api is a dependency of the core. Tracing is on when the SDK is there
+(the `otel` extra), `configure()` ran (every process of jobrunner calls it at start) and
+the standard environment asks for it: OTEL_TRACES_EXPORTER=otlp|console, or an OTLP
+endpoint (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT);
+OTEL_SDK_DISABLED=true turns it off. Sampling is the SDK's: OTEL_TRACES_SAMPLER and
+OTEL_TRACES_SAMPLER_ARG. Off, a traced call costs one test of a module global: no span,
+no context stored, no read of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import baggage, context, propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+log = logging.getLogger("jobrunner.tracing")
+
+SYSTEM = "jobrunner"  # messaging.system
+_enabled = False
+_tracer: trace.Tracer = trace.NoOpTracer()
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def configure(service_name: str, *, force: bool = False) -> bool:
+    """Set up the SDK from the OTEL_* environment if it asks for traces; whether tracing is
+    on. Idempotent; `force` is for tests, which bring their own provider."""
+    global _enabled, _tracer
+    if _enabled and not force:
+        return True
+    env = os.environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    wanted = exporter in ("otlp", "console") or (
+        exporter == "" and bool(env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                                or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")))
+    if not wanted:
+        return False
+    try:
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            ConsoleSpanExporter,
+            SpanExporter,
+        )
+    except ImportError:
+        log.warning("OTEL_* asks for traces, but the OpenTelemetry SDK is not installed "
+                    "(pip install 'jobrunner[otel]'); tracing stays off")
+        return False
+    span_exporter: SpanExporter
+    if exporter == "console":
+        span_exporter = ConsoleSpanExporter()
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        span_exporter = OTLPSpanExporter()  # endpoint, headers, timeout: OTEL_EXPORTER_OTLP_*
+    # (OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over the default name)
+    resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service_name})
+    provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER(_ARG)
+    provider.add_span_processor(BatchSpanProcessor(span_exporter))
+    trace.set_tracer_provider(provider)
+    use(provider)
+    return True
+
+
+def use(provider: trace.TracerProvider | None) -> None:
+    """Trace with `provider` (None: off). configure() calls it; tests call it directly."""
+    global _enabled, _tracer
+    if provider is None:
+        _enabled, _tracer = False, trace.NoOpTracer()
+        return
+    _tracer = provider.get_tracer("jobrunner")
+    _enabled = True
+
+
+def shutdown(timeout_s: float = 5.0) -> None:
+    """Send the spans still buffered (before a process leaves with os._exit)."""
+    if not _enabled:
+        return
+    provider = trace.get_tracer_provider()
+    flush = getattr(provider, "force_flush", None)
+    if flush is not None:
+        try:
+            flush(int(timeout_s * 1000))
+        except Exception as exc:  # a trace store that is down must not hang an exit
+            log.debug("tracing: the last spans were not sent: %s", exc)
+
+
+def tracer() -> trace.Tracer:
+    return _tracer
+
+
+# -- the producer side ----------------------------------------------------------------
+@contextlib.contextmanager
+def enqueue_span(batch_id: str, tenant_id: str, *, pool: str | None = None
+                 ) -> Iterator[trace.Span | None]:
+    """The PRODUCER span of one enqueue (None when tracing is off); carrier() inside it is
+    the context to store with the tasks."""
+    if not _enabled:
+        yield None
+        return
+    attributes: dict[str, Any] = {
+        "messaging.system": SYSTEM, "messaging.operation.type": "send",
+        "messaging.operation.name": "enqueue", "messaging.destination.name": batch_id,
+        "jobrunner.batch": batch_id, "jobrunner.tenant": tenant_id}
+    if pool is not None:
+        attributes["jobrunner.pool"] = pool
+    with _tracer.start_as_current_span(f"enqueue {batch_id}", kind=SpanKind.PRODUCER,
+                                       attributes=attributes) as span:
+        yield span
+
+
+def carrier() -> str | None:
+    """The current context as JSON text (traceparent, tracestate, baggage), or None when
+    there is no span to link to (tracing off, or not sampled)."""
+    if not _enabled or not trace.get_current_span().get_span_context().is_valid:
+        return None
+    out: dict[str, str] = {}
+    propagate.inject(out)
+    return json.dumps(out, sort_keys=True) if out else None
+
+
+def headers() -> dict[str, str]:
+    """The current context as HTTP headers for an outgoing call (empty when off)."""
+    if not _enabled:
+        return {}
+    out: dict[str, str] = {}
+    propagate.inject(out)
+    return out
+
+
+def _extract(text: str | None) -> context.Context | None:
+    if not text:
+        return None
+    try:
+        fields = json.loads(text)
+    except ValueError:
+        return None
+    return propagate.extract(fields) if isinstance(fields, dict) else None
+
+
+# -- the consumer side ----------------------------------------------------------------
+OUTCOMES = ("done", "retry", "dead", "lease_lost", "rate_limited")
+
+
+@dataclass
+class Attempt:
+    """What an attempt's span gathers while it runs (tokens and cost: Task.report_usage)."""
+
+    span: trace.Span
+    tokens: int = 0
+    cost: float = 0.0
+    usage_reported: bool = False
+
+
+_attempt: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar(
+    "jobrunner_attempt", default=None)
+
+
+@contextlib.contextmanager
+def process_span(*, task_id: int, key: str, batch_id: str, tenant_id: str,
+                 shard_key: str | None, attempt: int, max_attempts: int,
+                 due_at: float | None, load_context: Callable[[int], str | None]
+                 ) -> Iterator[Attempt]:
+    """The CONSUMER span of one attempt, current while the handler runs. `due_at` (epoch
+    seconds: the task's run_after) gives the time it waited pending once due, an event;
+    `load_context(task_id)` reads the enqueue's stored context, and is called only when
+    this span is sampled, for its link."""
+    attributes: dict[str, Any] = {
+        "messaging.system": SYSTEM, "messaging.operation.type": "process",
+        "messaging.operation.name": "process", "messaging.destination.name": batch_id,
+        "messaging.message.id": str(task_id), "messaging.consumer.group.name": batch_id,
+        "jobrunner.batch": batch_id, "jobrunner.task.key": key,
+        "jobrunner.tenant": tenant_id, "jobrunner.attempt": attempt,
+        "jobrunner.max_attempts": max_attempts}
+    if shard_key is not None:
+        attributes["jobrunner.shard"] = shard_key
+    # A new root: an attempt is not part of its enqueue's trace (it would keep that trace
+    # open for hours), it links to it.
+    with _tracer.start_as_current_span("process", context=context.Context(),
+                                       kind=SpanKind.CONSUMER, attributes=attributes,
+                                       record_exception=False,
+                                       set_status_on_exception=False) as span:
+        restore = None
+        if span.is_recording():
+            try:
+                stored = _extract(load_context(task_id))
+            except Exception as exc:  # a trace must never fail an attempt
+                log.debug("task %s: its trace context could not be read: %s", key, exc)
+                stored = None
+            if stored is not None:
+                producer = trace.get_current_span(stored).get_span_context()
+                if producer.is_valid:
+                    span.add_link(producer, {"jobrunner.link": "enqueue"})
+                # The enqueue's baggage travels on to the handler's own calls.
+                ctx = context.get_current()
+                for name, value in baggage.get_all(stored).items():
+                    ctx = baggage.set_baggage(name, value, ctx)
+                restore = context.attach(ctx)
+            if due_at is not None:
+                waited = max(0.0, time.time() - due_at)
+                span.add_event("pending", {"jobrunner.pending.seconds": round(waited, 6)})
+        state = Attempt(span)
+        token = _attempt.set(state)
+        try:
+            yield state
+        finally:
+            _attempt.reset(token)
+            if restore is not None:
+                context.detach(restore)
+
+
+def end_attempt(state: Attempt, outcome: str, error: str | None = None, *,
+                retry_after: float | None = None) -> None:
+    """Close an attempt's span: its outcome (OUTCOMES), status and usage."""
+    span = state.span
+    if not span.is_recording():
+        return
+    span.set_attribute("jobrunner.outcome", outcome)
+    if state.usage_reported:
+        span.set_attribute("jobrunner.usage.tokens", state.tokens)
+        span.set_attribute("jobrunner.usage.cost", state.cost)
+    if outcome == "rate_limited":
+        # Not an error of the task: it goes back to pending without using an attempt.
+        span.add_event("rate_limited", {"jobrunner.retry_after.seconds": retry_after or 0.0,
+                                        "error.message": (error or "")[:1000]})
+        span.set_attribute("error.type", "rate_limited")
+    elif outcome != "done":
+        span.set_attribute("error.type", outcome)
+        span.set_status(Status(StatusCode.ERROR, (error or outcome)[:1000]))
+    else:
+        span.set_status(Status(StatusCode.OK))
+
+
+def record_usage(tokens: int | None, input_tokens: int | None, output_tokens: int | None,
+                 cost: float | None) -> None:
+    """A usage report of the current attempt: an event on the current span (the model
+    call's, when a handler made one), and the attempt's totals."""
+    if not _enabled:
+        return
+    attributes: dict[str, Any] = {}
+    for name, value in (("gen_ai.usage.input_tokens", input_tokens),
+                        ("gen_ai.usage.output_tokens", output_tokens),
+                        ("jobrunner.usage.tokens", tokens), ("jobrunner.usage.cost", cost)):
+        if value is not None:
+            attributes[name] = value
+    current = trace.get_current_span()
+    if current.is_recording():
+        current.add_event("usage", attributes)
+    state = _attempt.get()
+    if state is not None:
+        state.usage_reported = True
+        state.tokens += int(tokens or 0)
+        state.cost += float(cost or 0)
+
+
+@contextlib.contextmanager
+def model_call_span(operation: str, model: str | None, *, system: str = "openai",
+                    server: str | None = None) -> Iterator[trace.Span | None]:
+    """A gen_ai.* CLIENT span around one model call (None when tracing is off)."""
+    if not _enabled:
+        yield None
+        return
+    attributes: dict[str, Any] = {"gen_ai.operation.name": operation, "gen_ai.system": system,
+                                  "gen_ai.provider.name": system}
+    if model:
+        attributes["gen_ai.request.model"] = model
+    if server:
+        attributes["server.address"] = server
+    with _tracer.start_as_current_span(f"{operation} {model or ''}".strip(),
+                                       kind=SpanKind.CLIENT, attributes=attributes) as span:
+        yield span
+
+
+def model_call_usage(span: trace.Span | None, body: Any) -> None:
+    """The token usage and response model of an OpenAI-shaped answer, on its span."""
+    if span is None or not span.is_recording() or not isinstance(body, dict):
+        return
+    if isinstance(body.get("model"), str):
+        span.set_attribute("gen_ai.response.model", body["model"])
+    if isinstance(body.get("id"), str):
+        span.set_attribute("gen_ai.response.id", body["id"])
+    usage = body.get("usage")
+    if isinstance(usage, dict):
+        for ours, theirs in (("gen_ai.usage.input_tokens", ("prompt_tokens", "input_tokens")),
+                             ("gen_ai.usage.output_tokens",
+                              ("completion_tokens", "output_tokens"))):
+            for name in theirs:
+                if isinstance(usage.get(name), int):
+                    span.set_attribute(ours, usage[name])
+                    break

@@ -1,0 +1,147 @@
+"""A real Jaeger (github.com/jaegertracing/jaeger cmd/jaeger, built from the Go module proxy
+and cached by tests/e2e/harness/build.py, like the cluster's binaries) for the trace tests:
+an OTLP/HTTP receiver, its in-memory store and its query API, all on 127.0.0.1 ports of
+its own (several pytest workers each run one).
+
+    with Jaeger(tmp_path) as jaeger:
+        env = jaeger.otel_env("jobrunner-worker")
+        ...
+        traces = jaeger.traces("jobrunner-worker")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.e2e.harness import build
+
+CONFIG = """\
+service:
+  extensions: [jaeger_storage, jaeger_query]
+  pipelines:
+    traces:
+      receivers: [otlp]
+      processors: []
+      exporters: [jaeger_storage_exporter]
+  telemetry:
+    metrics:
+      level: none
+    logs:
+      level: warn
+extensions:
+  jaeger_query:
+    storage:
+      traces: memstore
+    http:
+      endpoint: 127.0.0.1:{query}
+    grpc:
+      endpoint: 127.0.0.1:{query_grpc}
+  jaeger_storage:
+    backends:
+      memstore:
+        memory:
+          max_traces: 100000
+receivers:
+  otlp:
+    protocols:
+      http:
+        endpoint: 127.0.0.1:{otlp}
+exporters:
+  jaeger_storage_exporter:
+    trace_storage: memstore
+"""
+
+
+def binary() -> Path | None:
+    """The cached jaeger binary, or None (`make e2e-bins` builds it)."""
+    path = build.JAEGER.dir() / "bin" / "jaeger"
+    return path if os.access(path, os.X_OK) else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Jaeger:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.query, self.query_grpc, self.otlp = _free_port(), _free_port(), _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Jaeger:
+        exe = binary()
+        if exe is None:
+            raise RuntimeError("jaeger is not built: run `make e2e-bins`")
+        config = self.root / "jaeger.yaml"
+        config.write_text(CONFIG.format(query=self.query, query_grpc=self.query_grpc,
+                                        otlp=self.otlp))
+        self.log = self.root / "jaeger.log"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([str(exe), "--config", f"file:{config}"],
+                                         stdout=out, stderr=out, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not self._ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("jaeger did not start:\n" + self.log.read_text()[-3000:])
+            time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def _ready(self) -> bool:
+        try:
+            self._get("/api/services")
+            with socket.create_connection(("127.0.0.1", self.otlp), timeout=1):
+                return True
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def _get(self, path: str, **params: Any) -> Any:
+        url = f"http://127.0.0.1:{self.query}{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.load(response)
+
+    def otel_env(self, service: str, **extra: str) -> dict[str, str]:
+        """The standard OTEL_* variables that send a process's traces here."""
+        return {"OTEL_SERVICE_NAME": service, "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.otlp}",
+                "OTEL_BSP_SCHEDULE_DELAY": "200", **extra}
+
+    def services(self) -> list[str]:
+        return self._get("/api/services").get("data") or []
+
+    def traces(self, service: str, limit: int = 1000) -> list[dict[str, Any]]:
+        """Every trace of `service` the query API returns (Jaeger's JSON model: spans with
+        references, tags and logs; processes by id)."""
+        return self._get("/api/traces", service=service, limit=limit,
+                         lookback="1h").get("data") or []
+
+    def trace(self, trace_id: str) -> dict[str, Any] | None:
+        try:
+            found = self._get(f"/api/traces/{trace_id}").get("data") or []
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
+        return found[0] if found else None

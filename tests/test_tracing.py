@@ -1,0 +1,277 @@
+"""Traces, read back from a real trace store (docs/observability.md).
+
+A real Jaeger (tests/support/jaeger.py: cmd/jaeger built from the Go module proxy, like
+the e2e binaries) receives OTLP from the test's enqueue and from a real worker process
+configured only by the standard OTEL_* variables. The worker runs the OpenAI-compatible
+handler against tests/support/openai_server.py: one task succeeds, one is retried after a
+500, one is rate limited by a 429, one ends dead on a 400; then the batch's reduce runs.
+The test reads every trace back through Jaeger's query HTTP API and checks the span tree:
+each attempt a CONSUMER `process` span, a root of its own trace LINKED to the enqueue's
+PRODUCER span; its outcome, status and attributes; the model call a `chat` child with
+gen_ai.* token usage; the reduce step's own span nested in its attempt. The tree is
+printed for the CI log.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+import pytest
+
+from jobrunner.features.reduce import REDUCE_KEY, ReduceSpec
+from jobrunner.model.validation import TaskSpec
+from jobrunner.observability import tracing
+from jobrunner.queue.client import Queue
+from tests.support import jaeger as jaeger_support
+from tests.support.figures import show
+from tests.support.openai_server import OpenAITestServer
+from tests.support.processes import child_env, start_worker, wait_for
+
+pytestmark = pytest.mark.skipif(jaeger_support.binary() is None,
+                                reason="jaeger is not built: run `make e2e-bins`")
+
+FAST = ["--visibility-timeout", "5", "--heartbeat", "1", "--backoff-base", "0.05",
+        "--backoff-cap", "0.2", "--concurrency", "2"]
+PATH = "/v1/chat/completions"
+
+
+def chat(key: str, text: str) -> TaskSpec:
+    return TaskSpec(key, {"url": PATH, "body": {"model": "test-model",
+                                                "messages": [{"role": "user",
+                                                              "content": text}]}})
+
+
+def tags(span: dict[str, Any]) -> dict[str, Any]:
+    return {t["key"]: t["value"] for t in span.get("tags", [])}
+
+
+def kind(span: dict[str, Any]) -> str | None:
+    return tags(span).get("span.kind")
+
+
+def refs(span: dict[str, Any], ref_type: str) -> list[tuple[str, str]]:
+    return [(r["traceID"], r["spanID"]) for r in span.get("references", [])
+            if r["refType"] == ref_type]
+
+
+def parent(span: dict[str, Any]) -> str | None:
+    """The parent span's id (a CHILD_OF reference within the same trace)."""
+    for trace_id, span_id in refs(span, "CHILD_OF"):
+        if trace_id == span["traceID"]:
+            return span_id
+    return None
+
+
+def render(traces: list[dict[str, Any]]) -> str:
+    """Every trace as an indented tree: span name, kind, the attributes that matter, its
+    status and events, and its links."""
+    shown = ("jobrunner.task.key", "jobrunner.attempt", "jobrunner.outcome", "error.type",
+             "otel.status_code", "jobrunner.usage.tokens", "gen_ai.usage.input_tokens",
+             "gen_ai.usage.output_tokens", "http.response.status_code",
+             "messaging.batch.message_count", "results")
+    lines: list[str] = []
+
+    def start(span: dict[str, Any]) -> int:
+        return int(span["startTime"])
+
+    for t in sorted(traces, key=lambda t: min(start(s) for s in t["spans"])):
+        spans = t["spans"]
+        children: dict[str | None, list[dict[str, Any]]] = defaultdict(list)
+        for s in spans:
+            children[parent(s)].append(s)
+        lines.append(f"trace {t['traceID']}")
+
+        def walk(span: dict[str, Any], depth: int,
+                 children: dict[str | None, list[dict[str, Any]]] = children) -> None:
+            tg = tags(span)
+            attrs = " ".join(f"{k.removeprefix('jobrunner.').removeprefix('gen_ai.usage.')}"
+                             f"={tg[k]}" for k in shown if k in tg)
+            events = ",".join(sorted({f['value'] for log in span.get('logs', [])
+                                      for f in log['fields'] if f['key'] == 'event'}))
+            links = [f"{ti[:8]}/{si[:8]}" for ti, si in refs(span, "FOLLOWS_FROM")]
+            lines.append("  " * (depth + 1) + f"{span['operationName']} [{kind(span)}] {attrs}"
+                         + (f" events={events}" if events else "")
+                         + (f" link->{','.join(links)}" if links else ""))
+            for c in sorted(children[span["spanID"]], key=start):
+                walk(c, depth + 1)
+
+        for root in sorted(children[None], key=start):
+            walk(root, 0)
+    return "\n".join(lines)
+
+
+@pytest.fixture
+def jaeger(tmp_path):
+    with jaeger_support.Jaeger(tmp_path) as j:
+        yield j
+
+
+@pytest.fixture
+def enqueue_tracing(jaeger):
+    """This process's enqueues traced to Jaeger, as `configure()` would from OTEL_*."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "test-enqueue"}))
+    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(
+        endpoint=f"http://127.0.0.1:{jaeger.otlp}/v1/traces")))
+    tracing.use(provider)
+    try:
+        yield provider
+    finally:
+        tracing.use(None)
+        provider.shutdown()
+
+
+def test_a_batch_read_back_from_jaeger(dsn, conn, tmp_path, jaeger, enqueue_tracing, capsys):
+    with OpenAITestServer(api_key="sk-test") as server:
+        server.fail("[flaky]", 500)
+        server.fail("[busy]", 429, retry_after=0.2)
+        server.fail("[bad]", 400, times=None)
+        Queue(conn).enqueue("b", "acme", [chat("ok", "hello"), chat("flaky", "[flaky] hi"),
+                                          chat("busy", "[busy] hi"), chat("bad", "[bad] hi")],
+                            max_attempts=3,
+                            reduce=ReduceSpec(handler="tests.support.tracing_handlers:count",
+                                              on_dead="include").as_json())
+        stored = conn.execute("SELECT task_key, trace_context->>'traceparent' AS tp "
+                              "FROM agent_work_queue WHERE batch_id = 'b'").fetchall()
+        conn.rollback()
+        stored = [r["tp"] for r in stored]
+        assert len(stored) == 4 and all(tp and tp.startswith("00-") for tp in stored), stored
+        env = child_env(dsn, OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="sk-test",
+                        **jaeger.otel_env("jobrunner-worker"))
+        worker = start_worker(dsn, "b", "jobrunner.openai_batch:handle", "--exit-when-drained",
+                              *FAST, env=env, log=tmp_path / "worker.log")
+        assert worker.wait(120) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+
+    statuses = {r["task_key"]: r["status"] for r in conn.execute(
+        "SELECT task_key, status::text FROM agent_work_queue WHERE batch_id = 'b'")}
+    conn.rollback()
+    assert statuses == {"ok": "done", "flaky": "done", "busy": "done", "bad": "dead",
+                        REDUCE_KEY: "done"}, statuses
+
+    # -- the producer's trace --------------------------------------------------------
+    produced = wait_for(lambda: jaeger.traces("test-enqueue"), timeout=30,
+                        what="the enqueue's trace in jaeger")
+    (enqueue,) = [s for t in produced for s in t["spans"] if s["operationName"] == "enqueue b"]
+    assert kind(enqueue) == "producer"
+    assert tags(enqueue)["messaging.system"] == "jobrunner"
+    assert tags(enqueue)["messaging.batch.message_count"] == 4
+    producer = (enqueue["traceID"], enqueue["spanID"])
+    # what the tasks store is that span's context
+    assert {tp.split("-")[1:3] == list(producer) for tp in stored} == {True}
+
+    # -- the worker's traces ---------------------------------------------------------
+    # ok 1, flaky 2 (a retry), busy 2 (rate limited, then done), bad 1 (dead), reduce 1
+    def attempts() -> list[dict[str, Any]]:
+        found = jaeger.traces("jobrunner-worker")
+        spans = [s for t in found for s in t["spans"] if s["operationName"] == "process"]
+        return found if len(spans) >= 7 else []
+
+    traces = wait_for(attempts, timeout=30, what="7 attempts' spans in jaeger")
+    show(capsys, "trace tree (tests/test_tracing.py), the enqueue's then the worker's:\n"
+         + render(produced + traces))
+    spans = [s for t in traces for s in t["spans"]]
+    process = [s for s in spans if s["operationName"] == "process"]
+    assert len(process) == 7, render(traces)
+
+    seen: Counter[tuple[str, int, str]] = Counter()
+    for span in process:
+        tg = tags(span)
+        key, attempt, outcome = tg["jobrunner.task.key"], tg["jobrunner.attempt"], \
+            tg["jobrunner.outcome"]
+        seen[(key, attempt, outcome)] += 1
+        assert kind(span) == "consumer"
+        assert parent(span) is None, "an attempt's span is a root, not the enqueue's child"
+        assert tg["messaging.system"] == "jobrunner"
+        assert tg["messaging.operation.type"] == "process"
+        assert tg["jobrunner.batch"] == "b" and tg["jobrunner.tenant"] == "acme"
+        assert "pending" in {f["value"] for log in span.get("logs", []) for f in log["fields"]}
+        if key == REDUCE_KEY:
+            # (the reduce is enqueued by maintenance, not by a traced enqueue)
+            assert refs(span, "FOLLOWS_FROM") == []
+        else:
+            assert refs(span, "FOLLOWS_FROM") == [producer], "linked to the enqueue"
+            assert span["traceID"] != producer[0]
+        if outcome in ("retry", "dead"):
+            assert tg["otel.status_code"] == "ERROR" and tg["error.type"] == outcome
+        if outcome == "done":
+            assert tg["otel.status_code"] == "OK"
+    assert seen == Counter({("ok", 1, "done"): 1, ("flaky", 1, "retry"): 1,
+                            ("flaky", 2, "done"): 1, ("busy", 1, "rate_limited"): 1,
+                            ("busy", 1, "done"): 1, ("bad", 1, "dead"): 1,
+                            (REDUCE_KEY, 1, "done"): 1}), seen
+
+    # -- the handlers' spans are the attempts' children ------------------------------
+    by_id = {s["spanID"]: s for s in spans}
+    calls = [s for s in spans if s["operationName"] == "chat test-model"]
+    assert len(calls) == 6  # every attempt of a chat task made one call
+    for call in calls:
+        up = by_id[parent(call)]
+        assert up["operationName"] == "process" and up["traceID"] == call["traceID"]
+        assert kind(call) == "client" and tags(call)["gen_ai.operation.name"] == "chat"
+    done_calls = [c for c in calls if tags(c)["http.response.status_code"] == 200]
+    assert len(done_calls) == 3
+    for call in done_calls:
+        tg = tags(call)
+        assert tg["gen_ai.usage.input_tokens"] > 0 and tg["gen_ai.usage.output_tokens"] > 0
+        attempt = tags(by_id[parent(call)])
+        assert attempt["jobrunner.usage.tokens"] == (tg["gen_ai.usage.input_tokens"]
+                                                     + tg["gen_ai.usage.output_tokens"])
+    assert sorted(tags(c)["http.response.status_code"] for c in calls) == [
+        200, 200, 200, 400, 429, 500]
+    # the upstream saw the call's context (an instrumented server would continue it)
+    assert all(r.headers.get("traceparent", "").startswith("00-") for r in server.requests)
+    (counted,) = [s for s in spans if s["operationName"] == "count results"]
+    assert tags(by_id[parent(counted)])["jobrunner.task.key"] == REDUCE_KEY
+    assert tags(counted)["results"] == 4
+
+
+def test_off_stores_no_context_and_sends_nothing(dsn, conn, tmp_path, jaeger):
+    """Without OTEL_* the worker traces nothing, and an untraced enqueue stores NULL."""
+    Queue(conn).enqueue("quiet", "acme", [TaskSpec("t", {})])
+    assert conn.execute("SELECT trace_context FROM agent_work_queue").fetchone() == {
+        "trace_context": None}
+    conn.rollback()
+    env = child_env(dsn, OTEL_SERVICE_NAME="jobrunner-quiet")
+    worker = start_worker(dsn, "quiet", "tests.support.handlers:record", "--exit-when-drained",
+                          *FAST, env=env, log=tmp_path / "worker.log")
+    assert worker.wait(60) == 0
+    assert "jobrunner-quiet" not in jaeger.services()
+
+
+def test_a_command_handler_continues_the_attempts_trace():
+    """A command handler gets its attempt's context as TRACEPARENT (OpenTelemetry's
+    environment carrier), and a usage report lands on the attempt's span."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from jobrunner.runtime.task import Task
+    from jobrunner.runtime.taskhandlers import CommandHandler
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    tracing.use(provider)
+    try:
+        task = Task(id=1, key="k", batch_id="b", tenant_id="acme", shard_key=None, payload={},
+                    attempt=1, max_attempts=3, worker_id="w")
+        with tracing.process_span(task_id=1, key="k", batch_id="b", tenant_id="acme",
+                                  shard_key=None, attempt=1, max_attempts=3, due_at=None,
+                                  load_context=lambda _: None) as attempt:
+            out = CommandHandler("printf '%s' \"$TRACEPARENT\"")(task)
+            tracing.record_usage(7, 3, 4, 0.5)
+            tracing.end_attempt(attempt, "done")
+    finally:
+        tracing.use(None)
+    (span,) = exported.get_finished_spans()
+    ctx = span.get_span_context()
+    # (its flags: sampled, and the SDK's random trace id flag)
+    assert out["stdout"].rsplit("-", 1)[0] == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}"
+    assert span.attributes["jobrunner.usage.tokens"] == 7
+    assert span.attributes["jobrunner.usage.cost"] == 0.5
+    assert span.attributes["jobrunner.outcome"] == "done"
