@@ -505,8 +505,13 @@ def test_an_install_bound_before_the_per_role_policies_is_bound_after_upgrading(
     monkeypatch.setattr(migrate_module, "migrations", lambda: older)
     _granted(install)
     with psycopg.connect(install.admin_dsn) as conn:
+        # (rows as the schema of then holds them: today's enqueue writes columns that later
+        # migrations added)
         for tenant in ("a", "b"):
-            Queue(conn).enqueue(f"batch-{tenant}", tenant, [TaskSpec("k", {})])
+            conn.execute("INSERT INTO agent_batch (batch_id, tenant_id) VALUES (%s, %s)",
+                         (f"batch-{tenant}", tenant))
+            conn.execute("INSERT INTO agent_work_queue (tenant_id, payload, batch_id, task_key)"
+                         " VALUES (%s, '{}', %s, 'k')", (tenant, f"batch-{tenant}"))
         # (what the grants of then gave: 0022's policies read the bindings as the user)
         conn.execute(sql.SQL("GRANT SELECT ON jobrunner_tenant_role TO {}").format(
             sql.Identifier(f"{install.prefix}_worker")))
