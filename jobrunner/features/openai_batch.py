@@ -19,11 +19,13 @@ sent in the Authorization header only: it is never logged and never part of an e
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
 import re
 import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -161,21 +163,46 @@ def _routed(body: dict[str, Any]) -> tuple[Endpoint, Route | None]:
 
 def handle(task: Task) -> Any:
     """Send the task's request; return the response body (the task's result)."""
+    endpoint, route, body = _request(task)
+    # Timeouts and connection errors propagate as they are: retried with backoff.
+    response = _client(endpoint).post(endpoint.url(task.payload["url"]), json=body)
+    result = _answer(endpoint, response)
+    _report_usage(task, result, route)
+    return result
+
+
+async def handle_async(task: Task) -> Any:
+    """handle's async form: what the worker runs on its event loop, hundreds of calls in
+    flight in one process (docs/scaling.md). Same request, same answers, same errors."""
+    endpoint, route, body = _request(task)
+    response = await _async_client(endpoint).post(endpoint.url(task.payload["url"]), json=body)
+    result = _answer(endpoint, response)
+    if isinstance(result, dict) and isinstance(result.get("usage"), dict):
+        # (report_usage writes in its own transaction: not on the event loop)
+        await asyncio.to_thread(_report_usage, task, result, route)
+    return result
+
+
+handle.asynchronous = handle_async  # type: ignore[attr-defined]  (see PythonHandler)
+
+
+def _request(task: Task) -> tuple[Endpoint, Route | None, dict[str, Any]]:
     body = dict(task.payload["body"])
     endpoint, route = _routed(body)
     if endpoint.model:
         body["model"] = endpoint.model
     task.check_lease()
-    # Timeouts and connection errors propagate as they are: retried with backoff.
-    response = _client(endpoint).post(endpoint.url(task.payload["url"]), json=body)
+    return endpoint, route, body
+
+
+def _answer(endpoint: Endpoint, response: httpx.Response) -> Any:
+    """The response body of a successful call; the error a failed one means."""
     if response.is_success:
         try:
-            result = response.json()
+            return response.json()
         except ValueError:
             raise OpenAIServerError(f"HTTP {response.status_code}: the response body is "
                                     "not JSON") from None
-        _report_usage(task, result, route)
-        return result
     status = response.status_code
     code, message = _api_error(response)
     text = error_text(status, code, message)
@@ -187,6 +214,25 @@ def handle(task: Task) -> Any:
     if status >= 500 or status in RETRYABLE_STATUS:
         raise OpenAIServerError(text, _retry_after(response))
     raise OpenAIRequestError(text)
+
+
+# One async client per event loop and configuration (a client belongs to its loop); no
+# limit on its connections: the worker's concurrency is the limit.
+_async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                          dict[Endpoint, httpx.AsyncClient]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _async_client(endpoint: Endpoint) -> httpx.AsyncClient:
+    clients = _async_clients.setdefault(asyncio.get_running_loop(), {})
+    client = clients.get(endpoint)
+    if client is None:
+        headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+        client = httpx.AsyncClient(
+            headers=headers, timeout=httpx.Timeout(endpoint.timeout, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1000))
+        clients[endpoint] = client
+    return client
 
 
 def _api_error(response: httpx.Response) -> tuple[str | None, str]:
