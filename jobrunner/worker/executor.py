@@ -1,4 +1,4 @@
-"""The executor: runs claimed tasks on a pool of handler threads, outside any transaction.
+"""The executor: runs claimed tasks on handler threads or one event loop, outside any transaction.
 
 Guarantees:
 - Each attempt ends in exactly one Outcome, handed to the completer: success (the
