@@ -179,9 +179,13 @@ async def handle_async(task: Task) -> Any:
     request (measured: 20 ms of CPU per call at 200 in flight, aiohttp 0.4 ms)."""
     endpoint, route, body = _request(task)
     # Timeouts and connection errors propagate as they are: retried with backoff.
-    async with _session(endpoint).post(endpoint.url(task.payload["url"]), json=body) as got:
-        response = httpx.Response(got.status, headers=list(got.headers.items()),
-                                  content=await got.read())
+    try:
+        async with _session(endpoint).post(endpoint.url(task.payload["url"]),
+                                           json=body) as got:
+            response = httpx.Response(got.status, headers=list(got.headers.items()),
+                                      content=await got.read())
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise _as_httpx(exc) from exc
     result = _answer(endpoint, response)
     if isinstance(result, dict) and isinstance(result.get("usage"), dict):
         # (report_usage writes in its own transaction: not on the event loop)
@@ -220,6 +224,18 @@ def _answer(endpoint: Endpoint, response: httpx.Response) -> Any:
     if status >= 500 or status in RETRYABLE_STATUS:
         raise OpenAIServerError(text, _retry_after(response))
     raise OpenAIRequestError(text)
+
+
+def _as_httpx(exc: BaseException) -> httpx.TransportError:
+    """aiohttp's transport errors as the sync form's (httpx's): the same last_error, so the
+    error file says the same whichever form ran (e.g. `ReadTimeout: timed out`)."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout("timed out")
+    if isinstance(exc, TimeoutError):  # (aiohttp's ServerTimeoutError is one too)
+        return httpx.ReadTimeout("timed out")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(str(exc))
+    return httpx.NetworkError(str(exc) or type(exc).__name__)
 
 
 # One session per event loop and configuration (a session belongs to its loop); no limit
