@@ -37,3 +37,11 @@ def stamp_or_fail_first(task: Task) -> dict:
     if task.payload.get("fail_first") and task.attempt == 1:
         raise RuntimeError("first attempt fails on purpose")
     return {"started": time.time()}
+
+
+def openai_sync(task: Task) -> object:
+    """The OpenAI-compatible handler without its async form: a handler thread per call,
+    as every worker ran it before (bench/in_flight.py's sync rows)."""
+    from jobrunner.features.openai_batch import handle
+
+    return handle(task)

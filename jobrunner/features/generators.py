@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,8 @@ from jobrunner.runtime.taskhandlers import (
     PythonHandler,
     RetryableError,
     _kill_group,
+    async_form,
+    has_async,
     importable,
 )
 from jobrunner.store import batches, db, effects
@@ -368,6 +370,14 @@ class WithGenerator:
         if task.key != GENERATE_KEY:
             return self.handler(task)
         return self.generate(task)
+
+    @property
+    def has_async(self) -> bool:
+        return has_async(self.handler)
+
+    def async_form(self, task: Task) -> Callable[[Task], Awaitable[Any]] | None:
+        # (the generator enqueues on its own connection: a handler thread runs it)
+        return None if task.key == GENERATE_KEY else async_form(self.handler, task)
 
     def _step(self, spec: GeneratorSpec) -> Callable[[Task], Iterator[tuple[str, Any]]]:
         key = json.dumps(spec.as_json(), sort_keys=True)

@@ -30,7 +30,7 @@ import json
 import logging
 import shlex
 import shutil
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
@@ -42,7 +42,13 @@ from jobrunner.model import validation
 from jobrunner.model.errors import BadInput, PermanentError
 from jobrunner.queue.client import dumps_result
 from jobrunner.runtime.task import Task
-from jobrunner.runtime.taskhandlers import CommandHandler, PythonHandler, importable
+from jobrunner.runtime.taskhandlers import (
+    CommandHandler,
+    PythonHandler,
+    async_form,
+    has_async,
+    importable,
+)
 from jobrunner.store import batches, db, effects
 from jobrunner.store import reduce as reduce_store
 from jobrunner.store import results as result_store
@@ -174,6 +180,14 @@ class WithReduce:
         if task.key != REDUCE_KEY:
             return self.handler(task)
         return self.reduce(task)
+
+    @property
+    def has_async(self) -> bool:
+        return has_async(self.handler)
+
+    def async_form(self, task: Task) -> Callable[[Task], Awaitable[Any]] | None:
+        # (the reduce step reads and writes the database: a handler thread runs it)
+        return None if task.key == REDUCE_KEY else async_form(self.handler, task)
 
     def _step(self, spec: ReduceSpec) -> Callable[..., Any]:
         key = json.dumps(spec.as_json(), sort_keys=True)

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import IO, Any
 
 from jobrunner.model.errors import BadInput, LeaseLost, PermanentError, RateLimited
@@ -82,11 +82,36 @@ def load_callable(spec: str) -> Callable[[Task], Any]:
     return target
 
 
+def async_form(handler: Any, task: Task) -> Callable[[Task], Awaitable[Any]] | None:
+    """The coroutine function that runs `task` on the worker's event loop, or None: the
+    task runs on a handler thread (sync handlers, commands, a batch's reduce and
+    generator tasks). Wrappers (WithReduce, WithGenerator, PoolHandlers) answer for the
+    task by the same method."""
+    form = getattr(handler, "async_form", None)
+    return form(task) if form is not None else None
+
+
+def has_async(handler: Any) -> bool:
+    """Whether any task may run on the event loop (the worker then refills free slots
+    with one claim instead of chaining a claim per handler thread)."""
+    return bool(getattr(handler, "has_async", False))
+
+
 class PythonHandler:
     def __init__(self, spec: str) -> None:
         self.spec = spec
         self.fn = load_callable(spec)
         self.is_async = inspect.iscoroutinefunction(self.fn)
+        # A sync handler may carry its own async form (`fn.asynchronous`, e.g. the
+        # OpenAI-compatible handler): the worker runs that one on its event loop.
+        native = getattr(self.fn, "asynchronous", None)
+        self.async_fn: Callable[[Task], Awaitable[Any]] | None = (
+            self.fn if self.is_async
+            else native if inspect.iscoroutinefunction(native) else None)
+        self.has_async = self.async_fn is not None
+
+    def async_form(self, task: Task) -> Callable[[Task], Awaitable[Any]] | None:
+        return self.async_fn
 
     def __call__(self, task: Task, *args: Any) -> Any:
         # (args: what a reduce step gets after the task, its results; see reduce.py)

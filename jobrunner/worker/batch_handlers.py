@@ -20,13 +20,14 @@ handler=)`, `jobrunner enqueue --pool P --handler H`; sql/schema.sql).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
 
 from jobrunner.model.errors import PermanentError
 from jobrunner.runtime.task import Task
+from jobrunner.runtime.taskhandlers import async_form, has_async
 from jobrunner.store import db
 from jobrunner.store import workerpools as pools
 
@@ -53,6 +54,21 @@ class PoolHandlers:
             raise PermanentError(f"batch {task.batch_id!r} runs handler {name}, which this "
                                  f"pool's workers do not serve (they serve {self._served()})")
         return handler(task)
+
+    @property
+    def has_async(self) -> bool:
+        return any(has_async(h) for h in self.handlers.values())
+
+    def async_form(self, task: Task) -> Callable[[Task], Awaitable[Any]] | None:
+        """The batch's handler's async form; None (a handler thread) for a batch whose
+        handler is sync, or that this worker does not serve (its PermanentError is
+        raised there)."""
+        name = self.handler_of(task.batch_id)
+        if name is None:
+            handler = next(iter(self.handlers.values())) if len(self.handlers) == 1 else None
+        else:
+            handler = self.handlers.get(name)
+        return None if handler is None else async_form(handler, task)
 
     def _served(self) -> str:
         return ", ".join(sorted(self.handlers))

@@ -1,4 +1,4 @@
-"""The executor: runs claimed tasks on a pool of handler threads, outside any transaction.
+"""The executor: runs claimed tasks on handler threads or one event loop, outside any transaction.
 
 Guarantees:
 - Each attempt ends in exactly one Outcome, handed to the completer: success (the
@@ -16,16 +16,27 @@ Guarantees:
   gives its concurrency slot back, so a busy worker runs task after task with one
   statement between them (the ack of one and the claim of the next) and no hop through
   the claim loop. The claim loop is woken when the thread stops.
+- Async handlers (and the OpenAI-compatible handler's async form) run on one event
+  loop per worker, not a thread each: `concurrency: 500` is 500 coroutines on one
+  thread. A task on the loop does not chain: it records its outcome and gives its slot
+  back, and the claim loop refills every free slot with one statement (the acks of what
+  finished riding along). A lost lease cancels the task's coroutine (one watcher for all
+  of them, every _WATCH seconds); a handler that swallows the cancellation is wedged as
+  a sync one would be. Nothing blocking runs on the loop: the throttle's block of its
+  limits goes to a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any
 
 from jobrunner.model.errors import LeaseLost, PermanentError, RateLimited
@@ -33,6 +44,7 @@ from jobrunner.model.types import Lease, Outcome
 from jobrunner.observability import tracing
 from jobrunner.queue.client import dumps_result
 from jobrunner.runtime.task import Task
+from jobrunner.runtime.taskhandlers import async_form, has_async
 from jobrunner.store import db
 from jobrunner.store import flowcontrol as limits
 from jobrunner.store import tasks as task_store
@@ -42,6 +54,7 @@ from jobrunner.worker.state import Running, WorkerState
 log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker logs on)
 
 EXIT_WEDGED = 70  # a handler ignored the loss of its lease; the process must be replaced
+_WATCH = 0.05  # how often the event loop looks for lost leases (as a sync handler's poll)
 
 
 class Executor:
@@ -53,11 +66,94 @@ class Executor:
         self.handler = handler
         self.lost_lease_grace = lost_lease_grace
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="handler")
+        # Whether tasks may run on the event loop: the producer then refills free slots
+        # in one claim (Producer._want).
+        self.has_async = has_async(handler)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
+        self._jobs: dict[int, tuple[Task, asyncio.Future]] = {}  # (the loop's thread only)
 
     def start(self, entry: Running, next_task: Callable[[], Running | None]) -> None:
-        """Run entry's task on a handler thread, then whatever next_task gives it. The
-        caller has counted the thread in state.active; the thread uncounts itself."""
-        entry.future = self.pool.submit(self._run, entry.lease, entry.task, next_task)
+        """Run entry's task: on the event loop if its handler has an async form, else on
+        a handler thread, then whatever next_task gives it. The caller has counted the
+        task in state.active; the task uncounts itself."""
+        fn = async_form(self.handler, entry.task) if self.has_async else None
+        if fn is None:
+            entry.future = self.pool.submit(self._run, entry.lease, entry.task, next_task)
+            return
+        entry.future = asyncio.run_coroutine_threadsafe(
+            self._run_async(entry.lease, entry.task, fn), self._event_loop())
+
+    # -- the event loop ----------------------------------------------------------------
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=self._serve, args=(loop,), name="handler-loop",
+                                 daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        loop.create_task(self._watch())
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _watch(self) -> None:
+        """Cancel the coroutine of every task whose lease the heartbeat found lost: one
+        look at all of them per _WATCH, not a timer per task."""
+        while True:
+            await asyncio.sleep(_WATCH)
+            for task, job in list(self._jobs.values()):
+                if task.lease_lost.is_set() and not job.done():
+                    job.cancel()
+
+    async def _run_async(self, lease: Lease, task: Task,
+                         fn: Callable[[Task], Awaitable[Any]]) -> None:
+        try:
+            if not tracing.enabled():
+                outcome = await self._outcome_async(lease, task, fn)
+            else:
+                # (the span's context is this coroutine's: the handler's task, made inside
+                # it, inherits it, so the handler's own spans are the attempt's children)
+                with self._process_span(lease, task) as attempt:
+                    outcome = await self._outcome_async(lease, task, fn)
+                    tracing.end_attempt(attempt, _outcome_name(outcome, task), outcome.error,
+                                        retry_after=outcome.throttle_after)
+            self.completer.record(outcome)
+        finally:
+            self._jobs.pop(lease.id, None)
+            state = self.state
+            with state.lock:
+                state.active -= 1
+            state.wake.set()
+
+    async def _outcome_async(self, lease: Lease, task: Task,
+                             fn: Callable[[Task], Awaitable[Any]]) -> Outcome:
+        try:
+            job = asyncio.ensure_future(fn(task))
+            self._jobs[lease.id] = (task, job)
+            try:
+                result = await job
+            except asyncio.CancelledError as exc:
+                if task.lease_lost.is_set():
+                    outcome = Outcome(lease, False, error=f"task {task.key!r}: lease lost, "
+                                      "handler cancelled")
+                else:  # (cancelled by the handler itself or the loop's end: retry)
+                    outcome = Outcome(lease, False, error=describe(exc))
+            except RateLimited as exc:
+                # (blocking the limits is a statement: not on the loop)
+                outcome = await asyncio.to_thread(self._rate_limited, lease, task, exc)
+            except BaseException as exc:
+                outcome = self.failure(lease, task, exc)
+            else:
+                outcome = self.success(lease, task, result)
+            return outcome
+        finally:
+            self._jobs.pop(lease.id, None)
 
     def _run(self, lease: Lease, task: Task, next_task: Callable[[], Running | None]) -> None:
         record, outcome = self.completer.record, self.outcome
@@ -79,28 +175,41 @@ class Executor:
         in the attempt's CONSUMER span (jobrunner/observability/tracing.py)."""
         if not tracing.enabled():
             return self._outcome(lease, task)
-        with tracing.process_span(
-                task_id=lease.id, key=lease.key, batch_id=lease.batch_id,
-                tenant_id=lease.tenant_id, shard_key=lease.shard_key, attempt=lease.attempt,
-                max_attempts=lease.max_attempts,
-                due_at=lease.run_after.timestamp() if lease.run_after else None,
-                load_context=lambda task_id: _stored_trace_context(task, task_id)) as attempt:
+        with self._process_span(lease, task) as attempt:
             outcome = self._outcome(lease, task)
             tracing.end_attempt(attempt, _outcome_name(outcome, task), outcome.error,
                                 retry_after=outcome.throttle_after)
         return outcome
 
+    def _process_span(self, lease: Lease, task: Task) -> AbstractContextManager[tracing.Attempt]:
+        return tracing.process_span(
+            task_id=lease.id, key=lease.key, batch_id=lease.batch_id,
+            tenant_id=lease.tenant_id, shard_key=lease.shard_key, attempt=lease.attempt,
+            max_attempts=lease.max_attempts,
+            due_at=lease.run_after.timestamp() if lease.run_after else None,
+            load_context=lambda task_id: _stored_trace_context(task, task_id))
+
     def _outcome(self, lease: Lease, task: Task) -> Outcome:
         try:
             result = self.handler(task)
-        except LeaseLost as exc:
-            return Outcome(lease, False, error=str(exc))
-        except PermanentError as exc:
-            return Outcome(lease, False, error=describe(exc), permanent=True)
-        except RateLimited as exc:
-            return self._rate_limited(lease, task, exc)
         except BaseException as exc:
-            return Outcome(lease, False, error=describe(exc))
+            if isinstance(exc, RateLimited):
+                return self._rate_limited(lease, task, exc)
+            return self.failure(lease, task, exc)
+        return self.success(lease, task, result)
+
+    @staticmethod
+    def failure(lease: Lease, task: Task, exc: BaseException) -> Outcome:
+        """A raised attempt's outcome (RateLimited aside: see _rate_limited)."""
+        if isinstance(exc, LeaseLost):
+            return Outcome(lease, False, error=str(exc))
+        if isinstance(exc, PermanentError):
+            return Outcome(lease, False, error=describe(exc), permanent=True)
+        return Outcome(lease, False, error=describe(exc))
+
+    @staticmethod
+    def success(lease: Lease, task: Task, result: Any) -> Outcome:
+        """A returned attempt's outcome."""
         if task.lease_lost.is_set():
             return Outcome(lease, False, error="lease lost while the handler ran")
         try:
@@ -148,6 +257,10 @@ class Executor:
     def shutdown(self) -> None:
         # (not waiting: a thread stuck in a handler that ignores its lost lease never ends)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        with self._loop_lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.call_soon_threadsafe(loop.stop)
 
 
 def _stored_trace_context(task: Task, task_id: int) -> str | None:

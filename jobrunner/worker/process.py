@@ -6,8 +6,9 @@ Roles (each module's docstring states its guarantees):
   threads, and the idle sleep (until a note, a retry time, a limit's room, a slow poll);
 - notifier.py: the process's one LISTEN connection, shared by its workers, and its
   candidacy for the database's maintenance leadership;
-- executor.py: runs one task on a handler thread, outside any transaction, into an
-  Outcome; a thread that finishes goes on to its next task itself; lost leases;
+- executor.py: runs one task on a handler thread (an async handler's on the worker's one
+  event loop), outside any transaction, into an Outcome; a thread that finishes goes on
+  to its next task itself, the loop's tasks are refilled by the claim loop; lost leases;
 - completer.py: queues outcomes so that their acks ride along with the next claim;
 - heartbeat.py: a thread on its own connection that renews every lease the worker
   holds, and runs maintenance.py (rescuing expired leases of dead workers: the elected

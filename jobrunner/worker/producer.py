@@ -9,6 +9,8 @@ Guarantees:
 - It claims only when the buffer of claimed, unstarted tasks is empty: the claim loop
   when a slot is free too, a handler thread when it has just finished a task (its slot
   is the free one). Tasks wait in the buffer, heartbeated, only for a slot to free up.
+  With async handlers (they run on the executor's event loop and do not chain) the claim
+  loop claims for every free slot in one statement, the acks of what finished with it.
 - Idle with a connected notifier (jobrunner/worker/notifier.py), it sleeps until a note
   for its batch or pool, the earliest retry time it was told of, a full limit's room
   (Queue.limit_wait), or the slow fallback poll (idle_fallback, seconds with jitter)
@@ -110,8 +112,8 @@ class Producer:
                     unstarted, state.buffer = state.buffer, []
                 self.release(unstarted)
             want = 0
-            if not stop_claiming and not state.buffer and self._free_slots() > 0:
-                want = self.claim.limit
+            if not stop_claiming and not state.buffer:
+                want = self._want(self._free_slots())
             # Acks ride along with the next claim; they wait (at most max_ack_delay) only
             # while claimed tasks are still being started from the local buffer.
             outcomes = completer.due(want > 0 or stop_claiming)
@@ -205,6 +207,18 @@ class Producer:
         if claimed:
             self._claimed_at = time.monotonic()
         return claimed
+
+    def _want(self, free: int) -> int:
+        """How many tasks the claim loop claims for `free` free slots: the claim batch
+        size; with async handlers, every free slot at once (at least the batch size), so
+        500 coroutines are kept busy by one statement per refill, not one per slot."""
+        if free <= 0:
+            return 0
+        want = max(self.claim.limit, free) if self.executor.has_async else self.claim.limit
+        limit = self.config.max_tasks
+        if limit is not None:  # (not past max_tasks: what it claims it would give back)
+            want = min(want, max(1, limit - self.state.stats["claimed"]))
+        return want
 
     def _reached_max(self) -> bool:
         limit = self.config.max_tasks

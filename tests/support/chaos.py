@@ -80,3 +80,44 @@ def _handle(task: Task) -> dict:
     _raw_log().execute("UPDATE chaos_raw SET ended_at = clock_timestamp() WHERE id = %s",
                        (row[0],))
     return applied
+
+
+async def handle_async(task: Task) -> dict:
+    """The same handler as an async one (the worker runs it on its event loop, with
+    concurrency, claims refilling every free slot): its waits on the loop, its
+    statements on threads (asyncio.to_thread), so that the loop is never blocked."""
+    import asyncio
+
+    run = f"{task.tenant_id} {task.shard_key or '-'} {task.key} {task.attempt} {task.worker_id}"
+    _witness(f"S {time.time():.6f} {run}\n")
+    try:
+        if task.payload.get("noop") or task.payload.get("poison"):
+            return _handle(task)
+        row = await asyncio.to_thread(_raw_start, task)
+        await asyncio.sleep(random.uniform(0.002, 0.02))  # kills land mid-task
+        task.check_lease()
+
+        def effect(conn: psycopg.Connection) -> dict:
+            conn.execute("INSERT INTO chaos_effect (task_key, attempt, worker) "
+                         "VALUES (%s, %s, %s)", (task.key, task.attempt, task.worker_id))
+            return {"by": task.worker_id}
+
+        applied = await asyncio.to_thread(task.once, "effect", effect)
+        await asyncio.to_thread(_raw_log().execute,
+                                "UPDATE chaos_raw SET ended_at = clock_timestamp() "
+                                "WHERE id = %s", (row[0],))
+        return applied
+    finally:
+        _witness(f"E {time.time():.6f} {run}\n")
+
+
+def _raw_start(task: Task) -> tuple:
+    global _raw
+    try:
+        return _raw_log().execute(
+            "INSERT INTO chaos_raw (task_key, shard_key, attempt, worker, started_at)"
+            " VALUES (%s, %s, %s, %s, clock_timestamp()) RETURNING id",
+            (task.key, task.shard_key, task.attempt, task.worker_id)).fetchone()
+    except psycopg.Error:
+        _raw = None
+        raise

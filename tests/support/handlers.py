@@ -181,3 +181,16 @@ def hold_first_execution(task: Task) -> dict:
                             (task.id,)).fetchone()[0]
     seconds = 0.0 if seen else float(task.payload.get("sleep", 0))
     return run_logged(task, lambda: (_sleep(task, seconds), {"key": task.key})[1])
+
+
+async def async_wait(task: Task) -> dict:
+    """Waits payload.sleep seconds on the event loop (a model call's shape), touching no
+    database; with payload.marks, appends "key start end" (monotonic) to that file when
+    it finishes, so a test sees which tasks ran to their end and when."""
+    started = time.monotonic()
+    await asyncio.sleep(float(task.payload.get("sleep", 0)))
+    marks = task.payload.get("marks")
+    if marks:
+        with open(marks, "a") as f:
+            f.write(f"{task.key} {started} {time.monotonic()}\n")
+    return {"key": task.key}

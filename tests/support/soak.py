@@ -236,8 +236,8 @@ class SoakResult:
 
 def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label: str,
              faults: list[Fault], extra_env: dict[str, str] | None = None,
-             worker_args: tuple[str, ...] = WORKER_ARGS, pool: str | None = None
-             ) -> SoakResult:
+             worker_args: tuple[str, ...] = WORKER_ARGS, pool: str | None = None,
+             handler: str = "tests.support.chaos:handle") -> SoakResult:
     """With `pool`, the batch is enqueued into that worker pool, next to a second tenant's
     batch of the pool (done by the same workers, checked for loss too), and the workers
     are the pool's (`worker --pool`)."""
@@ -266,7 +266,7 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
 
     def spawn(i: int):
         size = "1" if i % 2 else "4"
-        return start_worker(worker_dsn, BATCH, "tests.support.chaos:handle", *worker_args,
+        return start_worker(worker_dsn, BATCH, handler, *worker_args,
                             "--batch-size", size, env=env, log=tmp_path / f"{label}-w{i}.log",
                             pool=pool)
 
