@@ -25,6 +25,10 @@ class Config:
     # Kueue (chart value kueue.defaultQueueNames): the LocalQueue of each namespace's runs
     # that name none.
     kueue_default_queues: dict[str, str] = field(default_factory=dict)
+    # Tenants bound to namespaces (chart value tenancy.bindToNamespaces): a run may name
+    # only its namespace's tenants (operator/tenancy.py); allowed_tenants adds others.
+    bind_tenants: bool = False
+    allowed_tenants: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> Config:
@@ -41,6 +45,8 @@ class Config:
             in ("1", "true", "yes"),
             pool_scale_seconds=float(env.get("JOBRUNNER_POOL_SCALE_SECONDS", "10")),
             kueue_default_queues=_queues(env.get("JOBRUNNER_KUEUE_DEFAULT_QUEUES", "")),
+            bind_tenants=env.get("JOBRUNNER_BIND_TENANTS", "").lower() in ("1", "true", "yes"),
+            allowed_tenants=_tenants(env.get("JOBRUNNER_ALLOWED_TENANTS", "")),
         )
 
 
@@ -53,6 +59,19 @@ def _queues(text: str) -> dict[str, str]:
             isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ValueError("JOBRUNNER_KUEUE_DEFAULT_QUEUES must be a JSON object of "
                          "namespace: LocalQueue name")
+    return value
+
+
+def _tenants(text: str) -> dict[str, list[str]]:
+    """{namespace: [tenant, ...]} from JSON; the chart's schema checked the shape."""
+    if not text.strip():
+        return {}
+    value = json.loads(text)
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and all(isinstance(t, str) for t in v)
+            for k, v in value.items()):
+        raise ValueError("JOBRUNNER_ALLOWED_TENANTS must be a JSON object of "
+                         "namespace: [tenant, ...]")
     return value
 
 
