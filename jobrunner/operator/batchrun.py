@@ -20,7 +20,7 @@ from jobrunner.features.manifest import BatchRunSpec, parse_batchrun
 from jobrunner.model.errors import BadInput, UnknownBatch
 from jobrunner.operator import batchrun_pools as pool_runs
 from jobrunner.operator import flowcontrol, kube, kueue, metrics, pods, tenancy
-from jobrunner.operator.config import CONFIG, GROUP, PLURAL, VERSION
+from jobrunner.operator.config import CONFIG, GROUP, PLURAL, VERSION, worker_secret
 from jobrunner.operator.database import DatabaseProblem, queue_for, read_dsn
 from jobrunner.operator.jobs import api_error_detail, build_job, default_batch_id, job_name
 from jobrunner.operator.kube import ApiError, plain
@@ -186,7 +186,7 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
                                                 deadline_hit, pool_name)
         _finish(rc, phase, reason, message, counts, flow)
         return
-    job = _ensure_job(rc, run, batch_id, secret, key)
+    job = _ensure_job(rc, run, batch_id, *worker_secret(run.database, secret, key))
     rc.new["jobName"] = job["metadata"]["name"]
     rc.new["activeDeadlineSeconds"] = job["spec"].get("activeDeadlineSeconds")
     rc.new["activeDeadlineSource"] = _deadline_source(run)

@@ -28,6 +28,10 @@ class Config:
     # Tenants bound to namespaces (chart value tenancy.bindToNamespaces): a run may name
     # only its namespace's tenants (operator/tenancy.py); allowed_tenants adds others.
     bind_tenants: bool = False
+    # The Secret the worker pods of runs and pools that name no spec.database read
+    # (chart value database.workerSecretName): a DSN of the worker role, not the
+    # controller's. None: the controller's own (one Secret for all: not least privilege).
+    worker_secret_name: str | None = None
     allowed_tenants: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
@@ -45,6 +49,7 @@ class Config:
             in ("1", "true", "yes"),
             pool_scale_seconds=float(env.get("JOBRUNNER_POOL_SCALE_SECONDS", "10")),
             kueue_default_queues=_queues(env.get("JOBRUNNER_KUEUE_DEFAULT_QUEUES", "")),
+            worker_secret_name=env.get("JOBRUNNER_WORKER_DB_SECRET_NAME") or None,
             bind_tenants=env.get("JOBRUNNER_BIND_TENANTS", "").lower() in ("1", "true", "yes"),
             allowed_tenants=_tenants(env.get("JOBRUNNER_ALLOWED_TENANTS", "")),
         )
@@ -60,6 +65,14 @@ def _queues(text: str) -> dict[str, str]:
         raise ValueError("JOBRUNNER_KUEUE_DEFAULT_QUEUES must be a JSON object of "
                          "namespace: LocalQueue name")
     return value
+
+
+def worker_secret(database: dict, secret: str, key: str) -> tuple[str, str]:
+    """The Secret the workers read: the one the resource names, else the chart's worker
+    Secret (same key), else the controller's (`secret`)."""
+    if database.get("secretName") or not CONFIG.worker_secret_name:
+        return secret, key
+    return CONFIG.worker_secret_name, key
 
 
 def _tenants(text: str) -> dict[str, list[str]]:
