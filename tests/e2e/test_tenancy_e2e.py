@@ -133,3 +133,25 @@ def test_controller_refuses_without_the_policy(k8s, namespace, dsn, tmp_path):
     finally:
         controller.stop()
     print(json.dumps(status, indent=1))
+
+
+def test_worker_pod_holds_only_the_worker_dsn(k8s, namespace, dsn, tmp_path):
+    """database.workerSecretName: the controller reads jobrunner-db, the worker pods only
+    jr-worker (the run succeeds through it, so the workers really used it)."""
+    apply_crds(k8s)
+    create_db_secret(k8s, namespace, dsn)
+    create_db_secret(k8s, namespace, dsn, name="jr-worker")
+    controller = Controller(k8s, namespace, tmp_path / "controller.log",
+                            values=("database.workerSecretName=jr-worker",)).start()
+    try:
+        apply(k8s, namespace, batchrun("split", spec("t")))
+        br = wait_phase(k8s, "split", namespace, ("Succeeded", "Failed"), controller=controller)
+        assert br["status"]["phase"] == "Succeeded", br["status"]
+        pods = json.loads(k8s.kubectl("get", "pods", "-n", namespace, "-o", "json",
+                                      "-l", "jobrunner.dev/batchrun=split").stdout)["items"]
+        assert pods
+        for pod in pods:
+            text = json.dumps(pod["spec"])
+            assert '"jr-worker"' in text and '"jobrunner-db"' not in text, pod["spec"]
+    finally:
+        controller.stop()
