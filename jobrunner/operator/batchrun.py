@@ -19,8 +19,8 @@ from jobrunner.features import status as batch_status
 from jobrunner.features.manifest import BatchRunSpec, parse_batchrun
 from jobrunner.model.errors import BadInput, UnknownBatch
 from jobrunner.operator import batchrun_pools as pool_runs
-from jobrunner.operator import flowcontrol, kube, kueue, metrics, pods
-from jobrunner.operator.config import CONFIG, GROUP, PLURAL, VERSION
+from jobrunner.operator import flowcontrol, kube, kueue, metrics, pods, tenancy
+from jobrunner.operator.config import CONFIG, GROUP, PLURAL, VERSION, worker_secret
 from jobrunner.operator.database import DatabaseProblem, queue_for, read_dsn
 from jobrunner.operator.jobs import api_error_detail, build_job, default_batch_id, job_name
 from jobrunner.operator.kube import ApiError, plain
@@ -140,6 +140,8 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
             _settle_leases(rc)
         return
     run = _parse_or_fail(rc)
+    if CONFIG.bind_tenants and not rc.milestones.get("enqueued"):
+        _check_tenant(rc, run)
     batch_id = st.get("batchId") or run.batch_id or default_batch_id(
         rc.namespace, rc.name, body.metadata.uid)
     rc.new["batchId"] = batch_id
@@ -184,7 +186,7 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
                                                 deadline_hit, pool_name)
         _finish(rc, phase, reason, message, counts, flow)
         return
-    job = _ensure_job(rc, run, batch_id, secret, key)
+    job = _ensure_job(rc, run, batch_id, *worker_secret(run.database, secret, key))
     rc.new["jobName"] = job["metadata"]["name"]
     rc.new["activeDeadlineSeconds"] = job["spec"].get("activeDeadlineSeconds")
     rc.new["activeDeadlineSource"] = _deadline_source(run)
@@ -288,6 +290,19 @@ def _parse_or_fail(rc: Reconcile) -> BatchRunSpec:
                   "observedGeneration": rc.generation})
         rc.event("Warning", "InvalidSpec", str(exc))
         raise kopf.PermanentError(str(exc)) from None
+
+
+def _check_tenant(rc: Reconcile, run: BatchRunSpec) -> None:
+    """The defence behind the admission policy: a run naming a tenant its namespace is not
+    allowed fails before its batch, Job or pool admission exists."""
+    try:
+        why = tenancy.check(rc.namespace, run.tenant, CONFIG.allowed_tenants)
+    except ApiError as exc:
+        # Unknown is not allowed: retry rather than enqueue for a tenant we could not check.
+        raise kopf.TemporaryError(f"cannot read namespace {rc.namespace} to check the "
+                                  f"tenant: {exc}", delay=10) from None
+    if why is not None:
+        rc.refuse("TenantNotAllowed", why)
 
 
 def _first_enqueue(rc: Reconcile, queue: Any, run: BatchRunSpec, batch_id: str, tasks: Any,

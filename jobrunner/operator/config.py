@@ -25,6 +25,14 @@ class Config:
     # Kueue (chart value kueue.defaultQueueNames): the LocalQueue of each namespace's runs
     # that name none.
     kueue_default_queues: dict[str, str] = field(default_factory=dict)
+    # Tenants bound to namespaces (chart value tenancy.bindToNamespaces): a run may name
+    # only its namespace's tenants (operator/tenancy.py); allowed_tenants adds others.
+    bind_tenants: bool = False
+    # The Secret the worker pods of runs and pools that name no spec.database read
+    # (chart value database.workerSecretName): a DSN of the worker role, not the
+    # controller's. None: the controller's own (one Secret for all: not least privilege).
+    worker_secret_name: str | None = None
+    allowed_tenants: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls) -> Config:
@@ -41,6 +49,9 @@ class Config:
             in ("1", "true", "yes"),
             pool_scale_seconds=float(env.get("JOBRUNNER_POOL_SCALE_SECONDS", "10")),
             kueue_default_queues=_queues(env.get("JOBRUNNER_KUEUE_DEFAULT_QUEUES", "")),
+            worker_secret_name=env.get("JOBRUNNER_WORKER_DB_SECRET_NAME") or None,
+            bind_tenants=env.get("JOBRUNNER_BIND_TENANTS", "").lower() in ("1", "true", "yes"),
+            allowed_tenants=_tenants(env.get("JOBRUNNER_ALLOWED_TENANTS", "")),
         )
 
 
@@ -53,6 +64,27 @@ def _queues(text: str) -> dict[str, str]:
             isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ValueError("JOBRUNNER_KUEUE_DEFAULT_QUEUES must be a JSON object of "
                          "namespace: LocalQueue name")
+    return value
+
+
+def worker_secret(database: dict, secret: str, key: str) -> tuple[str, str]:
+    """The Secret the workers read: the one the resource names, else the chart's worker
+    Secret (same key), else the controller's (`secret`)."""
+    if database.get("secretName") or not CONFIG.worker_secret_name:
+        return secret, key
+    return CONFIG.worker_secret_name, key
+
+
+def _tenants(text: str) -> dict[str, list[str]]:
+    """{namespace: [tenant, ...]} from JSON; the chart's schema checked the shape."""
+    if not text.strip():
+        return {}
+    value = json.loads(text)
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and all(isinstance(t, str) for t in v)
+            for k, v in value.items()):
+        raise ValueError("JOBRUNNER_ALLOWED_TENANTS must be a JSON object of "
+                         "namespace: [tenant, ...]")
     return value
 
 

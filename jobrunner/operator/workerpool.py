@@ -28,7 +28,7 @@ import kopf
 from jobrunner.features.manifest import parse_template
 from jobrunner.model.errors import BadInput
 from jobrunner.operator import kube, kueue, metrics, scaling
-from jobrunner.operator.config import CONFIG, GROUP, POOL_PLURAL, VERSION
+from jobrunner.operator.config import CONFIG, GROUP, POOL_PLURAL, VERSION, worker_secret
 from jobrunner.operator.database import DatabaseProblem, queue_for, read_dsn
 from jobrunner.operator.jobs import (
     api_error_detail,
@@ -169,7 +169,7 @@ def parse_workerpool(obj: dict[str, Any]) -> WorkerPoolSpec:
 
 
 def build_deployment(pool: WorkerPoolSpec, replicas: int) -> dict[str, Any]:
-    secret, key = pool.db_secret()
+    secret, key = worker_secret(pool.database, *pool.db_secret())
     grace = pod_grace_seconds(pool.template)
     labels = {"app.kubernetes.io/name": "jobrunner-worker",
               "app.kubernetes.io/managed-by": "jobrunner", POOL_LABEL: pool.name,

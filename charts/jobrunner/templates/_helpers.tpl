@@ -146,6 +146,14 @@ clusterkopfpeerings, or "" for none).
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get]
+{{- if $root.Values.tenancy.bindToNamespaces }}
+# Tenants bound to namespaces: the namespace's jobrunner.dev/tenants annotation. In a Role
+# this is the watched namespace's own object only (a request for namespace X is filed
+# under namespace X).
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [get]
+{{- end }}
 {{- if $root.Values.kueue.enabled }}
 # Kueue: a run's admission is read from its Job's Workload; deactivating the Workload
 # (spec.active) is how the controller stops the workers of a Job Kueue admits.
