@@ -183,9 +183,12 @@ def test_a_run_waits_for_quota_with_no_pod_then_runs(k8s, namespace, dsn, queues
     wait_for("first admitted", lambda: status(k8s, "first", namespace).get("phase")
              == "Running", controller=controller)
     apply(k8s, namespace, batchrun("second", spec(q, tasks=3, sleep=0)))
+    # (Pending comes first as "waiting for quota", from a Workload Kueue has not tried yet;
+    # its own reason follows once it has)
     st = wait_for("second pending for quota", lambda: (
-        s if (s := status(k8s, "second", namespace)).get("admission", {}).get("state")
-        == "Pending" else None), controller=controller,
+        s if (a := (s := status(k8s, "second", namespace)).get("admission", {})).get("state")
+        == "Pending" and "insufficient unused quota" in a.get("message", "") else None),
+        controller=controller,
         show=lambda: status(k8s, "second", namespace))
     assert st["phase"] == "Pending" and st["admission"]["reason"] == "Pending", st
     assert st["admission"]["askedWorkers"] == 1 and st["admission"]["admittedWorkers"] == 0
