@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -101,9 +102,29 @@ def default_root() -> Path:
 
 
 def free_port() -> int:
+    """A port free now on 127.0.0.1, below the kernel's ephemeral range: a server may bind
+    it a while later (a standby started after its base backup), and a port the kernel
+    hands out (bind to 0) is one that any outgoing connection may take meanwhile (seen:
+    "Address already in use" as a replica started). Several processes choose at random."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10000, low) if low > 10100 else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class EmbeddedPostgres:

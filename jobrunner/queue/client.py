@@ -81,6 +81,9 @@ class Queue:
         # Failures of the last completion that went back to pending (their retry times are
         # announced to idle workers: task_retry_notify).
         self._retried: list[int] = []
+        # ... and what the last completion announced of them: (target, seconds until due)
+        # ("batch ID" / "pool NAME"), for the worker's own subscription.
+        self.retries_due: list[tuple[str, float]] = []
         # Batches known to be under flow control (claimed with task_ack_and_claim_limited), and
         # when the others were last checked (batch_flow_control, at most once a second).
         self._flow_batches: set[str] = set()
@@ -321,7 +324,7 @@ class Queue:
             # After the commit above, in a statement of its own: only a failure that went
             # back to pending with a backoff pays for it, never the ack and claim path.
             retried, self._retried = self._retried, []
-            task_store.notify_retries(self.conn, retried)
+            self.retries_due = task_store.notify_retries(self.conn, retried)
         if claiming and not leases and self.limit_wait is None \
                 and statement in (_CLAIM_LIMITED, _CLAIM_POOL_LIMITED):
             self.limit_wait = flow.next_room(self.session)

@@ -104,11 +104,14 @@ def expire(session: Session, limit: int) -> list[dict[str, Any]]:
     return cur.fetchall()
 
 
-def notify_retries(conn: psycopg.Connection, ids: Sequence[int]) -> None:
-    """Tell idle workers when these tasks' retries come due (task_retry_notify)."""
-    if ids:
-        with conn.transaction():  # (its own, whatever the caller's connection mode)
-            run(conn, RETRY_NOTIFY, {"ids": list(ids)}).fetchall()
+def notify_retries(conn: psycopg.Connection, ids: Sequence[int]) -> list[tuple[str, float]]:
+    """Tell idle workers when these tasks' retries come due (task_retry_notify); the
+    (target, seconds from now) it announced."""
+    if not ids:
+        return []
+    with conn.transaction():  # (its own, whatever the caller's connection mode)
+        rows = run(conn, RETRY_NOTIFY, {"ids": list(ids)}).fetchall()
+    return [(r["target"], float(r["seconds"])) for r in rows]
 
 
 def release(conn: psycopg.Connection, worker_id: str, ids: Sequence[int],

@@ -178,6 +178,13 @@ class Producer:
         claim = self.claim
 
         def op(q: Queue) -> list[Lease]:
+            try:
+                return claim_on(q)
+            finally:
+                due, q.retries_due = q.retries_due, []
+                self._own_retries(due)
+
+        def claim_on(q: Queue) -> list[Lease]:
             if claim.pool is not None and limit and self._rescan.is_set():
                 self._rescan.clear()
                 q.forget_scan_position(("pool", claim.pool))
@@ -193,6 +200,18 @@ class Producer:
             return self._claimed(outcomes, kept, leases, busy)
 
         return self.conn.run(op, "complete/claim")
+
+    def _own_retries(self, due: list[tuple[str, float]]) -> None:
+        """This worker's own failures that went back to pending: it looks again when they
+        come due, whether or not its listener heard the note (it may still be connecting
+        when the first attempt fails)."""
+        sub = self.subscription
+        if sub is None or not due:
+            return
+        now = time.monotonic()
+        for target, seconds in due:
+            if target == sub.target:
+                sub.due(now + max(0.0, seconds))
 
     def _claimed(self, outcomes: list[Outcome], kept: set[int], claimed: list[Lease],
                  busy: frozenset[int] | set[int]) -> list[Lease]:

@@ -981,7 +981,11 @@ LIMIT %(limit)s;
 -- ("batch ID" or "pool NAME") and the seconds until the retry is due, relative to
 -- the statement, so a listener's clock never has to agree with the server's. Idle workers
 -- of that target sleep until then instead of polling for it.
-SELECT pg_notify('jobrunner_due', n.target || ' ' || n.seconds)
+--
+-- The rows (target, seconds) go back to the failing worker too: it schedules its own look
+-- from them, so a note its listener missed (it was still connecting) loses nothing.
+SELECT n.target, n.seconds::float8 AS seconds,
+       pg_notify('jobrunner_due', n.target || ' ' || n.seconds)
 FROM (SELECT DISTINCT
              CASE WHEN q.pool IS NULL THEN 'batch ' || q.batch_id ELSE 'pool ' || q.pool END
                  AS target,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -18,15 +17,10 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from jobrunner.local.embedded import free_port
 from tests.support.processes import REPO, child_env, cli, start_worker, wait_for
 
 HANDLER = "tests.support.console_handlers:handle"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def module_database(admin_dsn: str, template: str) -> Iterator[str]:

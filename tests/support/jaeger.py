@@ -11,17 +11,16 @@ its own (several pytest workers each run one).
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from jobrunner.local.embedded import free_port
 from tests.e2e.harness import build
 
 CONFIG = """\
@@ -67,16 +66,10 @@ def binary() -> Path | None:
     return path if os.access(path, os.X_OK) else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Jaeger:
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.query, self.query_grpc, self.otlp = _free_port(), _free_port(), _free_port()
+        self.query, self.query_grpc, self.otlp = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Jaeger:
@@ -111,15 +104,14 @@ class Jaeger:
             self._get("/api/services")
             with socket.create_connection(("127.0.0.1", self.otlp), timeout=1):
                 return True
-        except (OSError, urllib.error.URLError):
+        except (OSError, httpx.HTTPError):
             return False
 
     def _get(self, path: str, **params: Any) -> Any:
-        url = f"http://127.0.0.1:{self.query}{path}"
-        if params:
-            url += "?" + urllib.parse.urlencode(params)
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return json.load(response)
+        response = httpx.get(f"http://127.0.0.1:{self.query}{path}", params=params,
+                             timeout=10)
+        response.raise_for_status()
+        return response.json()
 
     def otel_env(self, service: str, **extra: str) -> dict[str, str]:
         """The standard OTEL_* variables that send a process's traces here."""
@@ -140,8 +132,8 @@ class Jaeger:
     def trace(self, trace_id: str) -> dict[str, Any] | None:
         try:
             found = self._get(f"/api/traces/{trace_id}").get("data") or []
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code == 404:
                 return None
             raise
         return found[0] if found else None
