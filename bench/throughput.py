@@ -32,9 +32,14 @@ class Run:
     worker_cpu_s: float
     capped: bool
     wal_bytes: int = 0
+    # time.monotonic() of the poll that saw the run done (not reported): the workers'
+    # shutdown after it (seconds, with the notifier's leader hand-over) is not the run's
+    ended: float = 0.0
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        del out["ended"]
+        return out
 
 
 def measure(server: Server, system: System, workers: int, batch: int, tasks: int,
@@ -80,7 +85,8 @@ def measure(server: Server, system: System, workers: int, batch: int, tasks: int
         cpu_w = sum(tree_cpu(p.pid) for p in procs) - cpu_w0
         wal = server.wal_lsn() - wal0
     return Run(system.name, workers, batch, tasks, done, round(seconds, 3),
-               round(done / seconds, 1), round(cpu_pg, 2), round(cpu_w, 2), capped, wal)
+               round(done / seconds, 1), round(cpu_pg, 2), round(cpu_w, 2), capped, wal,
+               ended=now)
 
 
 def pgbench_run(server: Server, bench: PgBench, clients: int, seconds: float) -> dict:

@@ -158,9 +158,8 @@ def _waits(server: Server, conn: psycopg.Connection, configs: list[tuple[System,
         before = _wal(conn)
         with Sampler(server, system.app_pattern) as sampler:
             result = measure(server, system, workers, batch, tasks, cap, logdir)
-            ended = time.monotonic()
-        # measure() returns a few ms after its last poll, which ends its window
-        summary = sampler.summary(ended - result.seconds, ended)
+        # (the run's own window: measure() returns only after its workers stopped)
+        summary = sampler.summary(result.ended - result.seconds, result.ended)
         # (WAL and flushes over the whole measurement: the enqueue's share is included)
         rows.append({"system": system.name, "batch": batch, "workers": workers,
                      "rate": result.rate, **summary,

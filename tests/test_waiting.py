@@ -131,9 +131,13 @@ def test_a_waiting_worker_sends_no_statement(dsn, conn, tmp_path, capsys):
                "FROM pg_stat_activity WHERE application_name LIKE %s "
                "ORDER BY application_name")
         backends = f"%-{waiting.pid}-%"  # its queue and heartbeat connections
-        wait_for(lambda: len(conn.execute(sql, (backends,)).fetchall()) == 2,
-                 what="the waiting worker's two connections")
-        conn.rollback()
+        def connections() -> int:
+            # (a transaction reads pg_stat_activity once and keeps it: end each look)
+            n = len(conn.execute(sql, (backends,)).fetchall())
+            conn.rollback()
+            return n
+
+        wait_for(lambda: connections() == 2, what="the waiting worker's two connections")
         time.sleep(1.0)  # past its start, when it polls fast until its notifier is up
         before = conn.execute(sql, (backends,)).fetchall()
         conn.rollback()
