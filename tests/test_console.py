@@ -191,6 +191,7 @@ def test_a_changed_count_is_confirmed_again_and_an_action_is_audited(server, tmp
 
 def test_an_operator_key_sees_every_tenant_and_the_batch_api_refuses_it(server, dead_batch):
     operator = server.key("*")
+    server.key("acme", "admin")  # (listed below: made here, not by another test)
     with client(server, operator) as c:
         assert c.get("/console/batches/acme-b1").status_code == 200
         refused = c.get("/v1/batches")
