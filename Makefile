@@ -22,15 +22,19 @@ demo: $(VENV)/.installed
 # modules and cached by version, PgBouncer from Debian). The e2e tests (one real cluster,
 # shared by E2E_WORKERS pytest workers) run beside the rest, which uses TEST_WORKERS
 # pytest-xdist workers: hack/test-suite.sh.
+# Its three preparations overlap (a cold machine spends most of its time compiling Go
+# while pip and apt wait on the network).
 TEST_WORKERS ?= 2
-test: $(VENV)/.installed system-deps e2e-bins
+test:
+	$(MAKE) -j3 --output-sync=line $(VENV)/.installed system-deps e2e-bins
 	PY=$(PY) TEST_WORKERS=$(TEST_WORKERS) hack/test-suite.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
-e2e-bins: $(VENV)/.installed
-	$(PY) -m tests.e2e.harness.build
+# (the standard library only: it needs no virtualenv and can build while pip installs)
+e2e-bins:
+	$(PYTHON) -m tests.e2e.harness.build
 
 # Debian packages: PgBouncer, shellcheck and faketime (a worker whose clock is off by
 # hours: tests/test_time_from_database.py) and chromium with its chromedriver (the
@@ -50,7 +54,7 @@ system-deps:
 
 # A real single-node cluster (control plane, containerd + kubelet, the image built from the
 # Dockerfile) on 127.0.0.1 in the foreground; kubeconfig in .e2e/kubeconfig. Needs root.
-cluster: system-deps e2e-bins
+cluster: $(VENV)/.installed system-deps e2e-bins
 	$(PY) -m tests.e2e.harness.cluster
 
 bench: $(VENV)/.installed system-deps e2e-bins

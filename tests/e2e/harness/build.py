@@ -62,8 +62,9 @@ class GoModule:
 
     def __init__(self, name: str, module: str, version: str, packages: tuple[str, ...],
                  binaries: tuple[str, ...], version_vars: tuple[str, ...],
-                 assets: tuple[str, ...] = ()) -> None:
+                 assets: tuple[str, ...] = (), tags: tuple[str, ...] = ()) -> None:
         self.name, self.module, self.version = name, module, version
+        self.tags = tags
         self.packages, self.binaries, self.version_vars = packages, binaries, version_vars
         # Folders of the module's source copied beside the binaries (CRDs, manifests).
         self.assets = assets
@@ -98,10 +99,12 @@ JAEGER = GoModule(
     JAEGER_BINARIES, (),
 )
 
+# Without its service-discovery plugins (cloud SDKs, client-go: most of its compile time):
+# the tests scrape static and file targets, which are not plugins.
 PROMETHEUS = GoModule(
     "prometheus", "github.com/prometheus/prometheus", PROMETHEUS_VERSION,
     ("cmd/prometheus", "cmd/promtool"), PROMETHEUS_BINARIES,
-    ("github.com/prometheus/common/version.Version",),
+    ("github.com/prometheus/common/version.Version",), tags=("remove_all_sd",),
 )
 
 _STAMP = ".complete"
@@ -395,8 +398,9 @@ def build_module(m: GoModule, force: bool = False) -> Path:
     out = d / "bin"
     out.mkdir(parents=True, exist_ok=True)
     (d / _STAMP).unlink(missing_ok=True)
-    _run(["go", "build", "-trimpath", "-ldflags=" + " ".join(ldflags), "-o", str(out) + "/",
-          *(f"{m.module}/{p}" for p in m.packages)], src)
+    tags = [f"-tags={','.join(m.tags)}"] if m.tags else []
+    _run(["go", "build", "-trimpath", *tags, "-ldflags=" + " ".join(ldflags),
+          "-o", str(out) + "/", *(f"{m.module}/{p}" for p in m.packages)], src)
     secs = time.monotonic() - t0
     _write(d / _STAMP, json.dumps({m.name: m.version, "commit": commit,
                                    "seconds": round(secs, 1)}) + "\n")
