@@ -22,11 +22,11 @@ demo: $(VENV)/.installed
 # modules and cached by version, PgBouncer from Debian). The e2e tests (one real cluster,
 # shared by E2E_WORKERS pytest workers) run beside the rest, which uses TEST_WORKERS
 # pytest-xdist workers: hack/test-suite.sh.
-# Its three preparations overlap (a cold machine spends most of its time compiling Go
-# while pip and apt wait on the network).
+# The virtualenv and the Debian packages are made at once (both wait on the network); the
+# Go binaries are built by hack/test-suite.sh in the background of the suite.
 TEST_WORKERS ?= 2
 test:
-	$(MAKE) -j3 --output-sync=line $(VENV)/.installed system-deps e2e-bins
+	$(MAKE) -j2 --output-sync=line $(VENV)/.installed system-deps
 	PY=$(PY) TEST_WORKERS=$(TEST_WORKERS) hack/test-suite.sh
 
 lint: $(VENV)/.installed

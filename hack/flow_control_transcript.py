@@ -57,7 +57,7 @@ def main() -> int:
     dsn = pg.start()
     server = OpenAITestServer(api_key=API_KEY).start()
     server.fail(MARKER, 429, times=3, retry_after=3)
-    cluster = Cluster(build.ensure_binaries())
+    cluster = Cluster(build.ensure_cluster())
     controller = None
     out = Transcript()
     env = {**os.environ, "JOBRUNNER_DATABASE_URL": dsn, "NO_COLOR": "1", "COLUMNS": "110"}

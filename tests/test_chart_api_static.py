@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e.harness import build
+
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "jobrunner"
 TEMPLATE = CHART / "templates" / "api.yaml"
@@ -71,8 +73,10 @@ def _helm() -> str | None:
     found = os.environ.get("HELM") or shutil.which("helm")
     if found:
         return found
-    cached = sorted((Path.home() / ".cache" / "jobrunner-e2e").glob("helm-*/bin/helm"))
-    return str(cached[-1]) if cached else None
+    if build.go_available() or os.access(build.helm_dir() / "bin" / "helm", os.X_OK):
+        build.ensure("helm")  # (`make test` builds it in the background: wait for it)
+        return str(build.helm_dir() / "bin" / "helm")
+    return None
 
 
 def test_the_rendered_api_component():

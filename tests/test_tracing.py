@@ -28,7 +28,7 @@ from tests.support.figures import show
 from tests.support.openai_server import OpenAITestServer
 from tests.support.processes import child_env, start_worker, wait_for
 
-pytestmark = pytest.mark.skipif(jaeger_support.binary() is None,
+pytestmark = pytest.mark.skipif(not jaeger_support.available(),
                                 reason="jaeger is not built: run `make e2e-bins`")
 
 FAST = ["--visibility-timeout", "5", "--heartbeat", "1", "--backoff-base", "0.05",

@@ -59,7 +59,7 @@ def _in_ci() -> bool:
 
 def ensure_bin_dir() -> Path:
     """Binaries, built on demand; skip (or fail under CI=true) when they cannot be had."""
-    if not build.binaries_present() and not build.go_available():
+    if not build.cluster_present() and not build.go_available():
         msg = (
             "e2e binaries are not built and `go` is not installed "
             "(run `python -m tests.e2e.harness.build` on a machine with Go)"
@@ -67,7 +67,7 @@ def ensure_bin_dir() -> Path:
         if _in_ci():
             pytest.fail(msg, pytrace=False)
         pytest.skip(msg)
-    return build.ensure_binaries()
+    return build.ensure_cluster()
 
 
 @pytest.fixture(scope="session")

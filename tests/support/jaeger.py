@@ -60,10 +60,22 @@ exporters:
 """
 
 
+def path() -> Path:
+    return build.JAEGER.dir() / "bin" / "jaeger"
+
+
+def available() -> bool:
+    """Built, or buildable here (a cheap check for collection time)."""
+    return os.access(path(), os.X_OK) or build.go_available()
+
+
 def binary() -> Path | None:
-    """The cached jaeger binary, or None (`make e2e-bins` builds it)."""
-    path = build.JAEGER.dir() / "bin" / "jaeger"
-    return path if os.access(path, os.X_OK) else None
+    """The jaeger binary, built first if it is missing (`make test` builds it in the
+    background while the suite runs: this waits for that build), or None without Go."""
+    if not available():
+        return None
+    build.ensure("jaeger")
+    return path()
 
 
 class Jaeger:

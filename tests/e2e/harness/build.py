@@ -5,6 +5,7 @@ the machine's ``go``; no release binaries are downloaded.
 
     python -m tests.e2e.harness.build          # builds if needed, prints the bin dir
     python -m tests.e2e.harness.build --force  # rebuild even if cached
+    python -m tests.e2e.harness.build --only cluster   # what a cluster needs
 
 Binaries land in ``$JOBRUNNER_E2E_CACHE`` (default ``~/.cache/jobrunner-e2e``):
 
@@ -21,6 +22,7 @@ Versions are pinned here and only here.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -28,6 +30,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # ---- the one place where versions are pinned ---------------------------------
@@ -139,9 +143,14 @@ def _complete(d: Path, names) -> bool:
     return (d / _STAMP).exists() and all(os.access(d / "bin" / n, os.X_OK) for n in names)
 
 
-def binaries_present() -> bool:
+def binaries_present(names: tuple[str, ...] = ALL_BINARIES) -> bool:
     b = bin_dir()
-    return all(os.access(b / n, os.X_OK) for n in ALL_BINARIES)
+    return all(os.access(b / n, os.X_OK) for n in names)
+
+
+def cluster_present() -> bool:
+    return binaries_present(K8S_BINARIES + HELM_BINARIES + CONTAINERD_BINARIES
+                            + BUILDKIT_BINARIES)
 
 
 def go_available() -> bool:
@@ -408,24 +417,70 @@ def build_module(m: GoModule, force: bool = False) -> Path:
     return out
 
 
-def ensure_binaries(force: bool = False) -> Path:
-    """Build whatever is missing and return the combined bin dir."""
-    import fcntl
+# Every part, in the order a full build makes them: the cluster's first (the e2e tests
+# wait for those), then the binaries only some tests use.
+PARTS: dict[str, tuple[tuple[str, ...], Callable[[bool], Path]]] = {
+    "k8s": (K8S_BINARIES, build_k8s),
+    "helm": (HELM_BINARIES, build_helm),
+    "containerd": (CONTAINERD_BINARIES, lambda force: build_module(CONTAINERD, force)),
+    "buildkit": (BUILDKIT_BINARIES, lambda force: build_module(BUILDKIT, force)),
+    "kueue": (KUEUE_BINARIES, lambda force: build_module(KUEUE, force)),
+    "jaeger": (JAEGER_BINARIES, lambda force: build_module(JAEGER, force)),
+    "prometheus": (PROMETHEUS_BINARIES, lambda force: build_module(PROMETHEUS, force)),
+}
+CLUSTER_PARTS = ("k8s", "helm", "containerd", "buildkit")
 
-    t0 = time.monotonic()
+
+@contextmanager
+def _flock(name: str) -> Iterator[None]:
     cache_root().mkdir(parents=True, exist_ok=True)
-    with open(cache_root() / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time (CI, pytest, a person)
-        dirs = {
-            K8S_BINARIES: build_k8s(force),
-            HELM_BINARIES: build_helm(force),
-            CONTAINERD_BINARIES: build_module(CONTAINERD, force),
-            BUILDKIT_BINARIES: build_module(BUILDKIT, force),
-            KUEUE_BINARIES: build_module(KUEUE, force),
-            JAEGER_BINARIES: build_module(JAEGER, force),
-            PROMETHEUS_BINARIES: build_module(PROMETHEUS, force),
-        }
-        _link(dirs)
+    with open(cache_root() / name, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def ensure(part: str, force: bool = False) -> Path:
+    """The part's binaries (built if missing) and the combined bin dir linking them.
+
+    Each part has a lock of its own, so whoever needs a part (the suite's background
+    builder, a test, a person) waits while another process builds it and then finds it
+    built; compiling takes one more lock, shared by all parts, so that two parts never
+    compile at once on the machine's cores."""
+    names, build = PARTS[part]
+    with _flock(f".lock-{part}"):
+        d = build(False) if not force and _part_ready(part) else None
+        if d is None:
+            t0 = time.monotonic()
+            with _flock(".lock"):
+                d = build(force)
+            _log(f"{part} ready in {time.monotonic() - t0:.1f}s")
+        _link({names: d})
+    return bin_dir()
+
+
+def _part_ready(part: str) -> bool:
+    names, _ = PARTS[part]
+    if part == "k8s":
+        return _complete(k8s_dir(), names)
+    if part == "helm":
+        return _complete(helm_dir(), names)
+    m = {"containerd": CONTAINERD, "buildkit": BUILDKIT, "kueue": KUEUE, "jaeger": JAEGER,
+         "prometheus": PROMETHEUS}[part]
+    return _complete(m.dir(), names) and (not m.assets or m.assets_dir().is_dir())
+
+
+def ensure_cluster(force: bool = False) -> Path:
+    """What a cluster needs (control plane, node, image builder, helm)."""
+    for part in CLUSTER_PARTS:
+        ensure(part, force)
+    return bin_dir()
+
+
+def ensure_binaries(force: bool = False) -> Path:
+    """Build whatever is missing, cluster first, and return the combined bin dir."""
+    t0 = time.monotonic()
+    for part in PARTS:
+        ensure(part, force)
     _log(f"binaries ready in {time.monotonic() - t0:.1f}s")
     return bin_dir()
 
@@ -449,6 +504,8 @@ def main(argv=None) -> int:
     )
     p.add_argument("--force", action="store_true", help="rebuild even if cached binaries exist")
     p.add_argument("--print-versions", action="store_true", help="print pinned versions and exit")
+    p.add_argument("--only", help="comma-separated parts (cluster, or any of: "
+                   + ", ".join(PARTS) + "); default: all, cluster first")
     a = p.parse_args(argv)
     if a.print_versions:
         print(f"kubernetes {K8S_VERSION}\nhelm {HELM_VERSION}\ncontainerd {CONTAINERD_VERSION}\n"
@@ -458,6 +515,16 @@ def main(argv=None) -> int:
     if not go_available() and not binaries_present():
         print("go is not installed and the e2e binaries are not cached", file=sys.stderr)
         return 2
+    if a.only:
+        parts = [q for part in a.only.split(",")
+                 for q in (CLUSTER_PARTS if part == "cluster" else (part,))]
+        unknown = sorted(set(parts) - set(PARTS))
+        if unknown:
+            p.error(f"unknown part(s): {', '.join(unknown)}")
+        for part in parts:
+            ensure(part, a.force)
+        print(bin_dir())
+        return 0
     print(ensure_binaries(force=a.force))
     return 0
 

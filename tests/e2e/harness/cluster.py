@@ -546,10 +546,10 @@ def main(argv=None) -> int:
     ap.add_argument("--info", help="once ready, write what other processes need to attach "
                     "(JOBRUNNER_E2E_CLUSTER=FILE pytest tests/e2e) to FILE")
     a = ap.parse_args(argv)
-    if not build.binaries_present() and not build.go_available():
+    if not build.cluster_present() and not build.go_available():
         print("e2e binaries are missing and `go` is not installed", file=sys.stderr)
         return 2
-    bin_dir = build.ensure_binaries()
+    bin_dir = build.ensure_cluster()
     cluster = Cluster(
         bin_dir,
         kubeconfig_path=a.kubeconfig,

@@ -134,6 +134,8 @@ class Kueue:
 
     def start(self, timeout: float = 180.0) -> Kueue:
         t0 = time.monotonic()
+        # (the suite builds it in the background, after the cluster's binaries: wait)
+        build.ensure("kueue")
         binary = Path(self.cluster.bin_dir) / "kueue"
         if not binary.exists():
             raise KueueError(f"missing {binary}; run `python -m tests.e2e.harness.build`")
