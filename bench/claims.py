@@ -257,6 +257,8 @@ def main() -> None:
     ap.add_argument("--stale-stats", action="store_true",
                     help="plan the workers' statements with mid-batch column statistics")
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--worker-args", default="",
+                    help="more arguments for every worker (e.g. '--poll-interval 0.02')")
     args = ap.parse_args()
     server = Server()
     server.start()
@@ -264,7 +266,8 @@ def main() -> None:
     try:
         tmp = Path(tempfile.mkdtemp(prefix="jobrunner-claims-"))
         for shards in [int(s) for s in args.shards.split(",")]:
-            system = Jobrunner(server, shards=shards)
+            system = Jobrunner(server, shards=shards,
+                               extra_args=tuple(args.worker_args.split()))
             for batch in [int(b) for b in args.batch.split(",")]:
                 for rep in range(args.reps):
                     for workers in [int(w) for w in args.workers.split(",")]:

@@ -436,8 +436,13 @@ class Queue:
         if not leases:
             return set()
         with self._tx():
-            return task_store.release(self.conn, worker_id, [lease.id for lease in leases],
-                                 [lease.attempt for lease in leases])
+            released = task_store.release(self.conn, worker_id,
+                                          [lease.id for lease in leases],
+                                          [lease.attempt for lease in leases])
+            # (waiting workers of the batch sleep until a note: this is their one)
+            batches.wake(self.conn, [lease.batch_id for lease in leases
+                                     if lease.id in released])
+        return released
 
     def expire(self, limit: int = 1000) -> list[dict[str, Any]]:
         """Return expired leases to pending (or dead); any worker may call this."""

@@ -38,8 +38,13 @@ class WorkerConfig:
     # transaction pooler without a direct listen DSN).
     idle_poll: tuple[float, float] = (0.2, 0.5)
     # With a connected notifier a waiting worker sleeps until a note, a known retry time
-    # or a limit's room; this slow poll only covers notes that were lost.
-    idle_fallback: tuple[float, float] = (5.0, 15.0)
+    # or a limit's room; this slow poll only covers notes that were lost. A connected
+    # listener loses none (PostgreSQL delivers every committed note to it; a reconnect
+    # wakes every worker), and every transition that makes a task claimable sends one
+    # (enqueue, retry time, rescue, release, requeue): so a minute, on average. Each poll
+    # is a claim planned afresh through PgBouncer, the largest part of what a waiting
+    # worker costs the server (bench/results/idle-fleet.md).
+    idle_fallback: tuple[float, float] = (30.0, 90.0)
     # For this long after a claim that got tasks, an idle worker still polls at idle_poll:
     # work that no note announces (a shard an ack released, rows a concurrent claim held
     # locked for an instant) is found as quickly as before.
@@ -51,7 +56,8 @@ class WorkerConfig:
     # notifier, every worker sweeps this often, as before leadership existed.
     expire_interval: float = 1.0
     # A worker that does not lead still sweeps this often (jittered): it rescues what it
-    # can see while the leader is gone (a node lost, so its lock is not released yet).
+    # can see while the leader is gone (a node lost, so its lock is not released yet): a
+    # fleet of W workers sweeps every 30 s / W on average (docs/guarantees.md).
     backstop_interval: float = 30.0
     # The notifier's direct DSN (LISTEN and the leader's advisory lock need a session of
     # their own): default $JOBRUNNER_LISTEN_DATABASE_URL, else `dsn` unless behind a

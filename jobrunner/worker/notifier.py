@@ -176,6 +176,10 @@ class Notifier:
             try:
                 conn = db.connect(self.dsn, autocommit=True, connect_timeout=3,
                                   purpose=f"jobrunner-notifier {os.getpid()}")
+                # A direct session by definition, so its repeated statement (the leadership
+                # try) is prepared even where JOBRUNNER_PREPARED_STATEMENTS=0 keeps the
+                # pooled connections from it: planned once, not every few seconds.
+                conn.prepare_threshold = 5
                 session.listen_all(conn)
                 self.stats["connects"] += 1
                 self.connected.set()

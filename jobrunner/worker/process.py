@@ -145,6 +145,11 @@ class Worker:
     def _shutdown(self) -> None:
         state = self.state
         state.closing.set()  # handler threads finish their task and take no other
+        # What was claimed and not started goes back now, not after the running tasks
+        # end (up to the grace period): a waiting worker starts it at once (its note).
+        with state.lock:
+            unstarted, state.buffer = state.buffer, []
+        self.producer.release(unstarted)
         deadline = time.monotonic() + self.config.grace_period
         while (state.running_count() and time.monotonic() < deadline
                and not state.force_stop.is_set()):
