@@ -88,8 +88,10 @@ def read(queue: Queue, batch_id: str, *, trigger_reduce: bool = False, reduce: b
     return BatchStatus(batch_id, counts, found_health, step, gen)
 
 
-def gauges(batch: BatchStatus, tenant: str) -> BatchGauges:
-    """A batch's status as the metrics export it (jobrunner/observability/metrics.py)."""
+def gauges(batch: BatchStatus, tenant: str, deadline_seconds: float | None = None
+           ) -> BatchGauges:
+    """A batch's status as the metrics export it (jobrunner/observability/metrics.py);
+    `deadline_seconds`: its run's deadline, when the caller knows it."""
     health = batch.health or {}
     reduce = batch.reduce if batch.reduce_configured else None
     gen = batch.generator if batch.generator_configured else None
@@ -98,7 +100,8 @@ def gauges(batch: BatchStatus, tenant: str) -> BatchGauges:
         stuck=int(health.get("stuck") or 0), ready=int(health.get("ready") or 0),
         oldest_pending_seconds=health.get("oldest_pending_seconds"),
         reduce_state=reduce.phase(batch.counts) if reduce is not None else None,
-        generator_state=gen.phase() if gen is not None else None)
+        generator_state=gen.phase() if gen is not None else None,
+        deadline_seconds=deadline_seconds)
 
 
 def top_errors(queue: Queue, batch_id: str) -> list[ErrorGroup]:

@@ -146,6 +146,8 @@ class BatchGauges:
     oldest_pending_seconds: float | None
     reduce_state: str | None = None  # None: the batch has no reduce step
     generator_state: str | None = None  # None: no generator
+    # the run's deadline (a BatchRun's activeDeadlineSeconds), when a controller knows it
+    deadline_seconds: float | None = None
 
 
 class BatchCollector(Collector):
@@ -191,6 +193,10 @@ class BatchCollector(Collector):
         gen = GaugeMetricFamily("jobrunner_batch_generator_state",
                                 "1 for the current state of a batch's generator",
                                 labels=[*labels, "state"])
+        deadline = GaugeMetricFamily(
+            "jobrunner_batch_deadline_seconds", "The deadline of the BatchRun that runs a "
+            "batch (its Job's activeDeadlineSeconds; exported by the controller)",
+            labels=labels)
         for g in self.snapshot():
             ids = [g.batch, g.tenant]
             for status in TASK_STATUSES:
@@ -200,7 +206,9 @@ class BatchCollector(Collector):
             oldest.add_metric(ids, g.oldest_pending_seconds or 0.0)
             _states(reduce, ids, g.reduce_state, REDUCE_STATES)
             _states(gen, ids, g.generator_state, GENERATOR_STATES)
-        yield from (tasks, stuck, ready, oldest, reduce, gen)
+            if g.deadline_seconds is not None:
+                deadline.add_metric(ids, g.deadline_seconds)
+        yield from (tasks, stuck, ready, oldest, reduce, gen, deadline)
 
 
 def _states(family: GaugeMetricFamily, ids: list[str], current: str | None,
