@@ -7,9 +7,12 @@ and every dashboard panel: tests/test_dashboard.py.)"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import uuid
 
+import httpx
 import pytest
 from prometheus_client import REGISTRY
 
@@ -151,3 +154,33 @@ def test_a_batch_not_seen_for_long_loses_its_series(monkeypatch, observing):
                   outcome="done") is None
     assert sample("jobrunner_task_run_seconds_count", batch="live-batch", tenant="acme",
                   outcome="done") == 1
+
+
+def test_jobrunner_metrics_serves_the_gauges(dsn, conn, tmp_path):
+    # the command as a real process: the open batch's gauges at its /metrics
+    from jobrunner.local.embedded import free_port
+    from tests.support.processes import REPO, child_env, spawned, wait_for
+
+    Queue(conn).enqueue("served", "acme", [TaskSpec("a", {}), TaskSpec("b", {})])
+    conn.commit()
+    port = free_port()
+    log = tmp_path / "metrics.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "jobrunner", "metrics", "--port",
+                                 str(port), "--host", "127.0.0.1", "--interval", "0.5"],
+                                env=child_env(dsn), cwd=REPO, stdout=out, stderr=out,
+                                start_new_session=True)
+    spawned.append(proc)
+
+    def scraped() -> str:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+        except httpx.HTTPError:
+            return ""
+
+    text = wait_for(scraped, timeout=30, what="jobrunner metrics' endpoint")
+    assert 'jobrunner_batch_tasks{batch="served",status="pending",tenant="acme"} 2.0' in text, \
+        log.read_text()[-2000:]
+    assert "postgresql://" not in text and "password" not in text.lower()
+    proc.terminate()
+    assert proc.wait(10) == 0
