@@ -185,3 +185,30 @@ def test_every_panel_returns_data_from_a_real_run(dsn, conn, tmp_path):
         target = os.environ.get("JOBRUNNER_DASHBOARD_PNG_DIR")
         if target:
             dashboard.render(answers, Path(target), board)
+
+
+@pytest.mark.skipif(not os.access(HELM, os.X_OK), reason="helm is not built: make e2e-bins")
+def test_the_chart_scrapes_the_workers_as_the_dashboard_expects():
+    out = subprocess.run([str(HELM), "template", "t", "charts/jobrunner",
+                          "--set", "metrics.podMonitor.enabled=true",
+                          "--set", "worker.metricsPort=9090"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120, check=True).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    # the labels jobs.py gives every worker pod, its port's name, and the component label
+    # the dashboard's Workers row selects
+    assert monitor["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "jobrunner-worker", "app.kubernetes.io/managed-by": "jobrunner"}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics"
+    assert endpoint["relabelings"] == [{"targetLabel": "jobrunner_component",
+                                        "replacement": "worker"}]
+    (controller,) = [d for d in docs if d["kind"] == "Deployment"
+                     and d["metadata"]["name"] == "t-jobrunner"]
+    env = {e["name"]: e.get("value") for c in controller["spec"]["template"]["spec"]["containers"]
+           for e in c.get("env", [])}
+    assert env["JOBRUNNER_WORKER_METRICS_PORT"] == "9090"
+    refused = subprocess.run([str(HELM), "template", "t", "charts/jobrunner",
+                              "--set", "metrics.podMonitor.enabled=true"],
+                             capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert refused.returncode != 0 and "needs worker.metricsPort" in refused.stderr

@@ -200,7 +200,12 @@ def worker(
     # one (server_login_retry), waits for it as its claim loop would, for a while, instead
     # of exiting; a DSN that never works still fails with its error.
     db.retrying(check_batch, attempts=8)
-    metrics.serve(metrics_port)
+    try:
+        metrics.serve(metrics_port)
+    except OSError as exc:  # (a port taken, e.g. two hostNetwork pods on a node): work anyway
+        logging.getLogger("jobrunner.worker").warning(
+            "metrics: port %d could not be opened (%s); this worker serves none",
+            metrics_port, exc)
     code = run_worker(config)
     tracing.shutdown()  # (os._exit runs no atexit hook: the last spans are sent here)
     logging.shutdown()
