@@ -14,6 +14,7 @@ import signal
 import threading
 from typing import Annotated, Any
 
+import psycopg
 import typer
 
 from jobrunner.features.metrics import Exporter
@@ -52,10 +53,23 @@ def register(app: typer.Typer) -> None:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        with db.connect(db.resolve_dsn(dsn), purpose="jobrunner-metrics") as conn:
-            exporter = Exporter(Queue(conn), max_batches=max_batches)
-            exporter.look()  # (a DSN that does not work fails here, with its error)
-            metrics.serve(port, host)
-            log.info("metrics: serving http://%s:%d/metrics, a look every %gs", host, port,
-                     interval)
-            exporter.run(interval, stop)
+        dsn_value = db.resolve_dsn(dsn)
+        serving = False
+        while not stop.is_set():
+            try:
+                with db.connect(dsn_value, purpose="jobrunner-metrics") as conn:
+                    exporter = Exporter(Queue(conn), max_batches=max_batches)
+                    exporter.look()
+                    if not serving:
+                        metrics.serve(port, host)
+                        serving = True
+                        log.info("metrics: serving http://%s:%d/metrics, a look every %gs",
+                                 host, port, interval)
+                    exporter.run(interval, stop)
+            except psycopg.Error as exc:
+                if not serving:
+                    raise  # (a DSN that never worked: its error, at once)
+                # (the database restarted or is away: the last values stay exported)
+                log.warning("metrics: the database connection was lost (%s); again in 5s",
+                            exc)
+                stop.wait(5)

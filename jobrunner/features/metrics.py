@@ -141,8 +141,9 @@ class Exporter:
             started = time.monotonic()
             try:
                 self.look()
-            except Exception as exc:  # a database that is away: the next look tries again
+            except Exception as exc:
+                if self.queue.conn.closed or self.queue.conn.broken:
+                    raise  # (the caller connects again)
                 log.warning("metrics: the queue could not be read: %s", exc)
-                if self.queue.conn.closed:
-                    raise
+                self.queue.conn.rollback()
             stop.wait(max(0.0, interval - (time.monotonic() - started)))
