@@ -39,6 +39,7 @@ from tests.support import prometheus as prometheus_support
 from tests.support.processes import REPO, child_env, spawned, start_worker, wait_for
 
 HELM = build.helm_dir() / "bin" / "helm"
+PROMTOOL = build.PROMETHEUS.dir() / "bin" / "promtool"
 ROWS = ["Overview", "Per batch", "Per tenant", "Limits", "Workers"]
 FAST = ["--visibility-timeout", "10", "--heartbeat", "1", "--backoff-base", "0.2",
         "--backoff-cap", "0.5", "--concurrency", "2"]
@@ -56,6 +57,22 @@ def test_the_dashboard_has_its_rows_and_queries():
             assert "jobrunner_" in q.expr or "up{" in q.expr, (panel.title, q.expr)
             # per task would be unbounded: no panel may split by a task's key or id
             assert "task_key" not in q.expr and "task_id" not in q.expr
+
+
+@pytest.mark.skipif(not os.access(PROMTOOL, os.X_OK), reason="promtool is not built: make e2e-bins")
+def test_every_panel_query_parses(tmp_path):
+    # promtool checks each filled-in query as a recording rule: PromQL syntax, fast, and
+    # without a run (the run below says whether each returns data)
+    rules = [{"record": f"dashboard:panel{i}_{q.ref}",
+              "expr": dashboard.fill(q.expr, rate_interval=RATE_INTERVAL, range_="1h")}
+             for i, panel in enumerate(dashboard.panels(dashboard.load()))
+             for q in panel.queries]
+    path = tmp_path / "panels.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    done = subprocess.run([str(PROMTOOL), "check", "rules", str(path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in done.stdout
 
 
 @pytest.mark.skipif(not os.access(HELM, os.X_OK), reason="helm is not built: make e2e-bins")
