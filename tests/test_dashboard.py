@@ -127,17 +127,18 @@ def test_every_panel_returns_data_from_a_real_run(dsn, conn, tmp_path):
     conn.commit()
 
     ports = {"exporter": free_port(), "nightly": free_port(), "backfill": free_port()}
-    _exporter(dsn, ports["exporter"], tmp_path / "exporter.log")
-    workers = {batch: start_worker(dsn, batch, "tests.support.metrics_handlers:work",
-                                   "--metrics-port", str(ports[batch]), *FAST,
-                                   log=tmp_path / f"{batch}.log")
-               for batch in ("nightly", "backfill")}
-    for name, port in ports.items():
-        wait_for(lambda port=port: _scraped(port), timeout=30, what=f"{name}'s /metrics")
+    # (Prometheus first, so that it sees the run from its start)
     with prometheus_support.Prometheus(tmp_path, {
             "worker": [ports["nightly"], ports["backfill"]],
             "exporter": [ports["exporter"]]}) as prom:
         start = time.time()
+        _exporter(dsn, ports["exporter"], tmp_path / "exporter.log")
+        workers = {batch: start_worker(dsn, batch, "tests.support.metrics_handlers:work",
+                                       "--metrics-port", str(ports[batch]), *FAST,
+                                       log=tmp_path / f"{batch}.log")
+                   for batch in ("nightly", "backfill")}
+        for name, port in ports.items():
+            wait_for(lambda port=port: _scraped(port), timeout=30, what=f"{name}'s /metrics")
 
         def settled() -> bool:
             rows = conn.execute(
