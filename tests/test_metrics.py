@@ -184,3 +184,25 @@ def test_jobrunner_metrics_serves_the_gauges(dsn, conn, tmp_path):
     assert "postgresql://" not in text and "password" not in text.lower()
     proc.terminate()
     assert proc.wait(10) == 0
+
+
+def test_the_exporter_follows_a_settled_batch_until_its_reduce_is_done(dsn, conn):
+    # every task done, its reduce due but not enqueued yet: the batch has nothing pending
+    # or leased, yet the exporter must look again until the reduce ran (enqueued and done
+    # between two looks, it would never be seen open)
+    batch = f"b-{uuid.uuid4().hex[:8]}"
+    queue = Queue(conn)
+    queue.enqueue(batch, "acme", [TaskSpec("a", {}), TaskSpec("b", {})],
+                  reduce=ReduceSpec(handler="tests.support.metrics_handlers:count").as_json())
+    conn.execute("UPDATE agent_work_queue SET status = 'done' WHERE batch_id = %s", (batch,))
+    conn.commit()
+    exporter = Exporter(queue)
+    exporter._watched[batch] = "acme"  # (seen open by an earlier look)
+    exporter.look()
+    ids = {"batch": batch, "tenant": "acme"}
+    assert sample("jobrunner_batch_reduce_state", **ids, state="due") == 1
+    drain(dsn, batch)  # a worker enqueues the reduce and runs it
+    exporter.look()
+    assert sample("jobrunner_batch_reduce_state", **ids, state="done") == 1
+    assert sample("jobrunner_batch_reduce_state", **ids, state="due") == 0
+    assert batch not in exporter._watched

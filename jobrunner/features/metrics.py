@@ -110,6 +110,20 @@ def _resources(limit: LimitStatus) -> Sequence[tuple[str, float, float]]:
     return out
 
 
+# A reduce step in one of these states will not change by itself any more.
+_REDUCE_FINAL = ("none", "done", "failed", "skipped", "cancelled")
+
+
+def _settled(found: batch_status.BatchStatus) -> bool:
+    """Nothing of the batch can change without someone acting: no task unfinished, its
+    generator (if any) ended, its reduce step (if any) ended too, not merely due (a
+    reduce that is enqueued and done between two looks would never be seen open)."""
+    if found.still_running:
+        return False
+    reduce = found.reduce
+    return reduce is None or not reduce.configured or reduce.phase(found.counts) in _REDUCE_FINAL
+
+
 class Exporter:
     """`jobrunner metrics`: every `interval` seconds, the open batches' gauges and the
     limits', into this process's registry. A batch that closed is read once more (its
@@ -131,7 +145,7 @@ class Exporter:
         for batch_id, tenant in list(self._watched.items()):
             found = batch_status.read(self.queue, batch_id)
             metrics.record_batch(batch_status.gauges(found, tenant))
-            if not found.still_running:
+            if _settled(found):
                 del self._watched[batch_id]
         LIMITS.update(limits.list_limits(conn))
         return len(rows)
