@@ -115,9 +115,12 @@ def _has_data(answer: list[dict]) -> bool:
 def test_every_panel_returns_data_from_a_real_run(dsn, conn, tmp_path):
     queue = Queue(conn)
     limits.set_limit(conn, "llm", requests=4, per=2)  # tasks wait behind it
-    nightly = [TaskSpec(f"t{i:03d}", {"sleep": 0.3}) for i in range(24)]
-    nightly += [TaskSpec("flaky", {"fail_once": True}), TaskSpec("poison", {"poison": True}),
-                TaskSpec("busy", {"rate_limited": True})]
+    # (sleeps of several lengths: a scrape every second must not always fall in the same
+    # phase of the limit's rhythm; the failing tasks sort last, so Prometheus sees them)
+    nightly = [TaskSpec(f"t{i:03d}", {"sleep": 0.2 + (i % 5) * 0.1}) for i in range(24)]
+    nightly += [TaskSpec("x-flaky", {"fail_once": True}),
+                TaskSpec("x-poison", {"poison": True}),
+                TaskSpec("x-busy", {"rate_limited": True})]
     queue.enqueue("nightly", "acme", nightly, max_attempts=3, limits=["llm"],
                   reduce=ReduceSpec(handler="tests.support.metrics_handlers:count",
                                     on_dead="include").as_json())
@@ -190,7 +193,7 @@ def test_every_panel_returns_data_from_a_real_run(dsn, conn, tmp_path):
         tokens = last("sum by (tenant) (jobrunner_task_tokens_total)")
         # (each task's one successful attempt reports 100 + len(key) + 20 tokens)
         assert tokens == {"tenant=acme": sum(120 + len(t.key) for t in nightly
-                                             if t.key != "poison"),
+                                             if t.key != "x-poison"),
                           "tenant=globex": 20 * (120 + len("row0000"))}, tokens
         # no task keys among the labels of any jobrunner series
         names = prom._get("/api/v1/labels")

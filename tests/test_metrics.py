@@ -71,6 +71,8 @@ def test_a_worker_observes_each_attempt(dsn, conn, observing):
     runs = {o: sample("jobrunner_task_run_seconds_count", **ids, outcome=o)
             for o in ("done", "retry", "dead")}
     assert runs == {"done": 2, "retry": 1, "dead": 1}
+    # the outcomes that did not happen are there from 0 (so that rate() sees the first)
+    assert sample("jobrunner_task_run_seconds_count", **ids, outcome="lease_lost") == 0
     # ok slept 0.2 s in its handler
     assert sample("jobrunner_task_run_seconds_bucket", **ids, outcome="done", le="0.1") == 1
     assert sample("jobrunner_task_run_seconds_sum", **ids, outcome="done") >= 0.2
@@ -123,14 +125,17 @@ def test_the_exporter_reads_the_batches_and_limits(conn):
     assert sample("jobrunner_limit_capacity", limit="llm", resource="concurrency") == 2
     assert sample("jobrunner_limit_blocked_seconds_total", limit="llm") == 0
 
-    # the batch closes: read once more (its final counts), then no more
+    # the batch is cancelled (its stuck task given up too): read once more (its final
+    # counts), then no more
+    queue.cancel(batch)
     conn.execute("UPDATE agent_work_queue SET status = 'cancelled', locked_until = NULL, "
-                 "lease_owner = NULL WHERE batch_id = %s", (batch,))
+                 "lease_owner = NULL WHERE batch_id = %s AND status = 'leased'", (batch,))
     conn.commit()
     exporter.look()
     assert sample("jobrunner_batch_tasks", **ids, status="cancelled") == 4
     assert sample("jobrunner_batch_stuck_tasks", **ids) == 0
     assert sample("jobrunner_batch_oldest_pending_age_seconds", **ids) == 0
+    assert sample("jobrunner_batch_reduce_state", **ids, state="cancelled") == 1
     assert batch not in exporter._watched
     assert LIMITS.snapshot()
 

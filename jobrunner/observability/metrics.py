@@ -26,6 +26,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_se
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from jobrunner.observability.tracing import OUTCOMES
+
 # A batch no worker served and no refresh read for this long loses its series.
 STALE_SECONDS = 3600.0
 _SWEEP_EVERY = 60.0
@@ -109,7 +111,18 @@ def _touch(batch: str, tenant: str) -> None:
     global _last_sweep
     now = time.monotonic()
     with _seen_lock:
+        new = (batch, tenant) not in _seen
         _seen[(batch, tenant)] = now
+        if new:
+            # Every series of the batch from 0 at once: a counter's first sample already at
+            # 1 would show no increase (rate() needs the 0 before it), so the first retry
+            # or dead end of a batch would never be seen.
+            for outcome in OUTCOMES:
+                RUN_TIME.labels(batch, tenant, outcome)
+            for attempt in ("first", "retry"):
+                QUEUE_WAIT.labels(batch, tenant, attempt)
+            TOKENS.labels(batch, tenant)
+            COST.labels(batch, tenant)
         if now - _last_sweep < _SWEEP_EVERY:
             return
         _last_sweep = now

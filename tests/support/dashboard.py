@@ -82,17 +82,26 @@ def render(answers: dict[tuple[str, str], list[dict[str, Any]]], out_dir: Path,
         fig, axes = plt.subplots(1, len(row_panels), figsize=(4.2 * len(row_panels), 3.4),
                                  squeeze=False)
         for ax, panel in zip(axes[0], row_panels, strict=True):
+            lanes: list[str] = []
             for q in panel.queries:
                 for series in answers[(panel.title, q.ref)]:
                     xs = [datetime.fromtimestamp(float(t), tz=UTC)
                           for t, _ in series["values"]]
                     ys = [float(v) for _, v in series["values"]]
-                    ax.plot(xs, ys, label=legend(q.legend, series["metric"])[:40],
-                            drawstyle="steps-post" if panel.kind == "state-timeline" else
-                            "default")
+                    name = legend(q.legend, series["metric"])[:40]
+                    if panel.kind == "state-timeline":
+                        # (as Grafana draws it: a lane per series, marked while it holds)
+                        ax.scatter(xs, [len(lanes)] * len(xs), marker="s", s=12)
+                        lanes.append(name)
+                    else:
+                        ax.plot(xs, ys, label=name)
             ax.set_title(panel.title, fontsize=9)
             ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
             ax.tick_params(labelsize=7)
+            if lanes:
+                ax.set_yticks(range(len(lanes)), lanes, fontsize=6)
+                ax.set_ylim(-0.5, len(lanes) - 0.5)
+                continue
             if panel.unit:
                 ax.set_ylabel(panel.unit, fontsize=7)
             ax.legend(fontsize=6, loc="best")

@@ -31,7 +31,7 @@ def rows(task: Task, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
     for i in range(int(args["count"])):
         if i and i % 5 == 0:
             time.sleep(0.5)
-        yield {"key": f"row{i:04d}", "payload": {"sleep": 0.2}}
+        yield {"key": f"row{i:04d}", "payload": {"sleep": 0.4}}
 
 
 def count(task: Task, results: Iterator[dict[str, Any]]) -> int:
