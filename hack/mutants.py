@@ -341,6 +341,13 @@ MUTANTS: tuple[Mutant, ...] = (
            (Edit(TASKS, "                        THEN q.attempts ELSE q.attempts - 1 END,",
                  "                        THEN q.attempts ELSE q.attempts END,"),),
            ("tests/test_limits.py", "-k", "429_pauses")),
+    # -- metrics ---------------------------------------------------------------------
+    Mutant("metrics-queue-wait-until-lease-deadline",
+           "the queue-wait metric measures from due to claim, by the database's clock",
+           (Edit("jobrunner/worker/executor.py",
+                 "claimed_at = lease.locked_until.timestamp() - self.visibility_timeout",
+                 "claimed_at = lease.locked_until.timestamp()"),),
+           ("tests/test_metrics.py", "-k", "observes_each_attempt")),
 )
 
 

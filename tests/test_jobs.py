@@ -348,3 +348,18 @@ def test_termination_grace_sets_the_pods_and_two_thirds_of_it_for_the_worker():
     assert short["terminationGracePeriodSeconds"] == 6
     argv = short["containers"][0]["command"]
     assert argv[argv.index("--grace-period") + 1] == "4"
+
+
+# ------------------------------------------------------------------------------ metrics
+def test_workers_serve_metrics_on_the_configured_port(monkeypatch):
+    import dataclasses
+
+    from jobrunner.operator import jobs
+
+    assert "ports" not in worker_of(job_for())  # (off by default)
+    assert "JOBRUNNER_METRICS_PORT" not in {e["name"] for e in worker_of(job_for())["env"]}
+    monkeypatch.setattr(jobs, "CONFIG", dataclasses.replace(jobs.CONFIG,
+                                                            worker_metrics_port=9090))
+    worker = worker_of(job_for())
+    assert worker["ports"] == [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
+    assert {"name": "JOBRUNNER_METRICS_PORT", "value": "9090"} in worker["env"]

@@ -179,6 +179,7 @@ def test_a_batch_read_back_from_jaeger(dsn, conn, tmp_path, jaeger, enqueue_trac
     assert len(process) == 7, render(traces)
 
     seen: Counter[tuple[str, int, str]] = Counter()
+    reduce_links: list[tuple[str, str]] = []
     for span in process:
         tg = tags(span)
         key, attempt, outcome = tg["jobrunner.task.key"], tg["jobrunner.attempt"], \
@@ -191,8 +192,8 @@ def test_a_batch_read_back_from_jaeger(dsn, conn, tmp_path, jaeger, enqueue_trac
         assert tg["jobrunner.batch"] == "b" and tg["jobrunner.tenant"] == "acme"
         assert "pending" in {f["value"] for log in span.get("logs", []) for f in log["fields"]}
         if key == REDUCE_KEY:
-            # (the reduce is enqueued by maintenance, not by a traced enqueue)
-            assert refs(span, "FOLLOWS_FROM") == []
+            # linked to the PRODUCER span of the trigger that enqueued it (in the worker)
+            reduce_links.extend(refs(span, "FOLLOWS_FROM"))
         else:
             assert refs(span, "FOLLOWS_FROM") == [producer], "linked to the enqueue"
             assert span["traceID"] != producer[0]
@@ -200,6 +201,11 @@ def test_a_batch_read_back_from_jaeger(dsn, conn, tmp_path, jaeger, enqueue_trac
             assert tg["otel.status_code"] == "ERROR" and tg["error.type"] == outcome
         if outcome == "done":
             assert tg["otel.status_code"] == "OK"
+    (trigger,) = [s for s in spans if s["operationName"] == "enqueue b"
+                  and tags(s).get("jobrunner.task.key") == REDUCE_KEY
+                  and tags(s).get("jobrunner.reduce.enqueued") is True]
+    assert kind(trigger) == "producer" and parent(trigger) is None
+    assert reduce_links == [(trigger["traceID"], trigger["spanID"])]
     assert seen == Counter({("ok", 1, "done"): 1, ("flaky", 1, "retry"): 1,
                             ("flaky", 2, "done"): 1, ("busy", 1, "rate_limited"): 1,
                             ("busy", 1, "done"): 1, ("bad", 1, "dead"): 1,

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from jobrunner.cli.batch_api import register as register_batch_api
 from jobrunner.cli.flowcontrol import register as register_flow_control
+from jobrunner.cli.metrics import register as register_metrics
 from jobrunner.cli.options import BatchOpt, DsnOpt, _fail, _queue, app, dead_app, out
 from jobrunner.cli.render import print_result_preview, top_errors_table
 from jobrunner.cli.roles import register as register_roles
@@ -23,7 +24,7 @@ from jobrunner.cli.workerpools import register as register_pools
 from jobrunner.model.errors import BadInput, JobrunnerError
 from jobrunner.model.logs import setup_logging
 from jobrunner.model.usage import BatchUsage
-from jobrunner.observability import tracing
+from jobrunner.observability import metrics, tracing
 from jobrunner.queue.client import Queue
 from jobrunner.store import db
 from jobrunner.store.migrate import migrate as apply_migrations
@@ -33,6 +34,7 @@ register_flow_control(app)  # limit, usage, budget (jobrunner/cli/flowcontrol.py
 register_pools(app)  # pool set-weight, pool show (jobrunner/cli/workerpools.py)
 register_batch_api(app)  # serve, api-key (jobrunner/cli/batch_api.py)
 register_roles(app)  # db grant|login, tenant create|list (jobrunner/cli/roles.py)
+register_metrics(app)  # metrics (jobrunner/cli/metrics.py)
 
 
 class InputFormat(StrEnum):
@@ -149,6 +151,10 @@ def worker(
              "(code 70) to get rid of it.")] = 10,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
+    metrics_port: Annotated[int, typer.Option(
+        "--metrics-port", envvar="JOBRUNNER_METRICS_PORT", min=0, max=65535,
+        help="Serve Prometheus metrics at this port's /metrics (0: none; "
+             "docs/observability.md).", show_envvar=False)] = 0,
     dsn: DsnOpt = None,
 ) -> None:
     """Claim and run tasks of one batch, or of every batch of a pool, until stopped (or
@@ -194,6 +200,12 @@ def worker(
     # one (server_login_retry), waits for it as its claim loop would, for a while, instead
     # of exiting; a DSN that never works still fails with its error.
     db.retrying(check_batch, attempts=8)
+    try:
+        metrics.serve(metrics_port)
+    except OSError as exc:  # (a port taken, e.g. two hostNetwork pods on a node): work anyway
+        logging.getLogger("jobrunner.worker").warning(
+            "metrics: port %d could not be opened (%s); this worker serves none",
+            metrics_port, exc)
     code = run_worker(config)
     tracing.shutdown()  # (os._exit runs no atexit hook: the last spans are sent here)
     logging.shutdown()

@@ -40,6 +40,7 @@ import psycopg
 from jobrunner.features.results import ITERSIZE
 from jobrunner.model import validation
 from jobrunner.model.errors import BadInput, PermanentError
+from jobrunner.observability import tracing
 from jobrunner.queue.client import dumps_result
 from jobrunner.runtime.task import Task
 from jobrunner.runtime.taskhandlers import (
@@ -269,6 +270,7 @@ class ReduceState:
     reduced: bool  # the result is stored
     result_bytes: int | None
     due: bool  # settled and not enqueued yet: the next trigger enqueues it
+    tenant_id: str = ""
 
     @property
     def configured(self) -> bool:
@@ -343,7 +345,7 @@ def state(conn: psycopg.Connection, batch_id: str) -> ReduceState | None:
         enqueued=row["reduce_enqueued_at"] is not None, task_status=row["task_status"],
         attempts=row["attempts"], max_attempts=row["max_attempts"],
         last_error=row["last_error"], reduced=row["reduced_at"] is not None,
-        result_bytes=row["result_bytes"], due=bool(row["due"]))
+        result_bytes=row["result_bytes"], due=bool(row["due"]), tenant_id=row["tenant_id"])
 
 
 def trigger(conn: psycopg.Connection, batch_id: str) -> ReduceState | None:
@@ -353,10 +355,14 @@ def trigger(conn: psycopg.Connection, batch_id: str) -> ReduceState | None:
     st = state(conn, batch_id)
     if st is None or not st.due:
         return st
-    with conn.transaction():
-        row = reduce_store.enqueue(conn, batch_id)
+    # (a PRODUCER span as every enqueue's, which the reduce's attempts link to)
+    with tracing.enqueue_span(batch_id, st.tenant_id, task_key=REDUCE_KEY) as span, \
+            conn.transaction():
+        row = reduce_store.enqueue(conn, batch_id, tracing.carrier())
         if row is not None:
             batches.notify(conn, batch_id)
+        if span is not None:
+            span.set_attribute("jobrunner.reduce.enqueued", row is not None)
     if row is not None:
         log.info("batch %s: every task is terminal; reduce task %s enqueued", batch_id,
                  row["id"])

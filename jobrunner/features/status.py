@@ -14,6 +14,7 @@ from jobrunner.features import reduce as reduce_step
 from jobrunner.features.results import ErrorGroup
 from jobrunner.features.results import top_errors as _top_errors
 from jobrunner.model.types import STATUSES
+from jobrunner.observability.metrics import BatchGauges
 from jobrunner.queue.client import Queue
 
 
@@ -85,6 +86,22 @@ def read(queue: Queue, batch_id: str, *, trigger_reduce: bool = False, reduce: b
         step = reduce_step.state(queue.conn, batch_id)
     gen = generators.state(queue.conn, batch_id) if generator else None
     return BatchStatus(batch_id, counts, found_health, step, gen)
+
+
+def gauges(batch: BatchStatus, tenant: str, deadline_seconds: float | None = None
+           ) -> BatchGauges:
+    """A batch's status as the metrics export it (jobrunner/observability/metrics.py);
+    `deadline_seconds`: its run's deadline, when the caller knows it."""
+    health = batch.health or {}
+    reduce = batch.reduce if batch.reduce_configured else None
+    gen = batch.generator if batch.generator_configured else None
+    return BatchGauges(
+        batch=batch.batch_id, tenant=tenant, counts=dict(batch.counts),
+        stuck=int(health.get("stuck") or 0), ready=int(health.get("ready") or 0),
+        oldest_pending_seconds=health.get("oldest_pending_seconds"),
+        reduce_state=reduce.phase(batch.counts) if reduce is not None else None,
+        generator_state=gen.phase() if gen is not None else None,
+        deadline_seconds=deadline_seconds)
 
 
 def top_errors(queue: Queue, batch_id: str) -> list[ErrorGroup]:

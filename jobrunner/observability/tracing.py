@@ -109,10 +109,11 @@ def tracer() -> trace.Tracer:
 
 # -- the producer side ----------------------------------------------------------------
 @contextlib.contextmanager
-def enqueue_span(batch_id: str, tenant_id: str, *, pool: str | None = None
-                 ) -> Iterator[trace.Span | None]:
+def enqueue_span(batch_id: str, tenant_id: str, *, pool: str | None = None,
+                 task_key: str | None = None) -> Iterator[trace.Span | None]:
     """The PRODUCER span of one enqueue (None when tracing is off); carrier() inside it is
-    the context to store with the tasks."""
+    the context to store with the tasks. `task_key`: the one task it enqueues, when it is
+    one of the batch's own (the reduce's)."""
     if not _enabled:
         yield None
         return
@@ -122,6 +123,8 @@ def enqueue_span(batch_id: str, tenant_id: str, *, pool: str | None = None
         "jobrunner.batch": batch_id, "jobrunner.tenant": tenant_id}
     if pool is not None:
         attributes["jobrunner.pool"] = pool
+    if task_key is not None:
+        attributes["jobrunner.task.key"] = task_key
     with _tracer.start_as_current_span(f"enqueue {batch_id}", kind=SpanKind.PRODUCER,
                                        attributes=attributes) as span:
         yield span

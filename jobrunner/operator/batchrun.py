@@ -165,6 +165,8 @@ def reconcile(body: kopf.Body, st: dict[str, Any], patch: kopf.Patch, retry: int
             # it yet (the trigger is idempotent: any number of callers enqueue it once).
             batch = batch_status.read(queue, batch_id, trigger_reduce=True,
                                       generator=run.generator is not None)
+            metrics.record_batch(batch_status.gauges(batch, run.tenant,
+                                                     float(run.effective_deadline())))
             rc.new.update(_outcome_status(queue, st, batch))
             rc.new["budget"] = flowcontrol.apply_budget(queue, run, st, batch_id)
             flow = flowcontrol.observe(queue, run, st, batch_id)

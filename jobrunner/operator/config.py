@@ -33,6 +33,9 @@ class Config:
     # controller's. None: the controller's own (one Secret for all: not least privilege).
     worker_secret_name: str | None = None
     allowed_tenants: dict[str, list[str]] = field(default_factory=dict)
+    # Worker pods serve their Prometheus metrics on this port (chart value
+    # worker.metricsPort; 0: not at all): docs/observability.md.
+    worker_metrics_port: int = 0
 
     @classmethod
     def from_env(cls) -> Config:
@@ -52,6 +55,7 @@ class Config:
             worker_secret_name=env.get("JOBRUNNER_WORKER_DB_SECRET_NAME") or None,
             bind_tenants=env.get("JOBRUNNER_BIND_TENANTS", "").lower() in ("1", "true", "yes"),
             allowed_tenants=_tenants(env.get("JOBRUNNER_ALLOWED_TENANTS", "")),
+            worker_metrics_port=int(env.get("JOBRUNNER_WORKER_METRICS_PORT") or 0),
         )
 
 

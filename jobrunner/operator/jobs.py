@@ -118,6 +118,9 @@ def worker_pod_template(spec_template: Mapping[str, Any], *, command: list[str],
          "valueFrom": {"secretKeyRef": {"name": secret_name, "key": secret_key}}},
         {"name": "JOBRUNNER_WORKER_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         *env,
+        # (before the template's: a run's own JOBRUNNER_METRICS_PORT wins)
+        *([{"name": "JOBRUNNER_METRICS_PORT", "value": str(CONFIG.worker_metrics_port)}]
+          if CONFIG.worker_metrics_port else []),
         *template.get("env", []),
     ]
     container: dict[str, Any] = {
@@ -135,6 +138,10 @@ def worker_pod_template(spec_template: Mapping[str, Any], *, command: list[str],
     for key in ("envFrom", "resources"):
         if template.get(key):
             container[key] = template[key]
+    if CONFIG.worker_metrics_port:
+        # (a PodMonitor finds the port by its name; docs/observability.md)
+        container["ports"] = [{"name": "metrics", "containerPort": CONFIG.worker_metrics_port,
+                               "protocol": "TCP"}]
     # A user volume named tmp replaces the default emptyDir (a size limit, a memory
     # medium, an ephemeral PVC); the worker's mount on /tmp stays either way.
     volumes = template.get("volumes", [])

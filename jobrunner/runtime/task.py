@@ -9,7 +9,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from jobrunner.model.errors import LeaseLost
-from jobrunner.observability import tracing
+from jobrunner.observability import metrics, tracing
 
 if TYPE_CHECKING:
     import psycopg
@@ -79,6 +79,8 @@ class Task:
             lambda conn: limits.record_usage(conn, self.id, self.attempt, usage)), attempts=8)
         tracing.record_usage(usage.tokens, input_tokens, output_tokens,
                              float(cost) if cost is not None else None)
+        metrics.used(self.batch_id, self.tenant_id, usage.tokens,
+                     float(cost) if cost is not None else None)
 
     def once(self, effect_key: str, effect: Callable[[psycopg.Connection], T]) -> T:
         """Run a database effect at most once per (batch, task key, effect key).

@@ -32,11 +32,14 @@ def state(conn: psycopg.Connection, batch_id: str) -> dict[str, Any] | None:
     return run(conn, STATE, {"batch_id": batch_id}).fetchone()
 
 
-def enqueue(conn: psycopg.Connection, batch_id: str) -> dict[str, Any] | None:
+def enqueue(conn: psycopg.Connection, batch_id: str, trace_context: str | None = None
+            ) -> dict[str, Any] | None:
     """In the caller's transaction: lock the batch's row and enqueue its reduce task if
-    the batch is settled and has none; the new task's row, or None."""
+    the batch is settled and has none; the new task's row, or None. `trace_context`: the
+    W3C context (JSON text) stored with it, as an enqueue's."""
     run(conn, LOCK_BATCH, {"batch_id": batch_id})
-    return run(conn, ENQUEUE, {"batch_id": batch_id}).fetchone()
+    return run(conn, ENQUEUE, {"batch_id": batch_id, "trace_context": trace_context}
+               ).fetchone()
 
 
 def store_result(conn: psycopg.Connection, batch_id: str, encoded: str, size: int) -> None:

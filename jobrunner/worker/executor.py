@@ -41,7 +41,7 @@ from typing import Any
 
 from jobrunner.model.errors import LeaseLost, PermanentError, RateLimited
 from jobrunner.model.types import Lease, Outcome
-from jobrunner.observability import tracing
+from jobrunner.observability import metrics, tracing
 from jobrunner.queue.client import dumps_result
 from jobrunner.runtime.task import Task
 from jobrunner.runtime.taskhandlers import async_form, has_async
@@ -60,8 +60,11 @@ _WATCH = 0.05  # how often the event loop looks for lost leases (as a sync handl
 class Executor:
     def __init__(self, state: WorkerState, completer: Completer,
                  handler: Callable[[Task], Any], concurrency: int,
-                 lost_lease_grace: float) -> None:
+                 lost_lease_grace: float, visibility_timeout: float | None = None) -> None:
         self.state = state
+        # (a lease's claim time is its deadline minus this: the database's clock, as its
+        # run_after, for the queue wait of the metrics)
+        self.visibility_timeout = visibility_timeout
         self.completer = completer
         self.handler = handler
         self.lost_lease_grace = lost_lease_grace
@@ -113,6 +116,7 @@ class Executor:
 
     async def _run_async(self, lease: Lease, task: Task,
                          fn: Callable[[Task], Awaitable[Any]]) -> None:
+        started = self._started(lease) if metrics.enabled() else None
         try:
             if not tracing.enabled():
                 outcome = await self._outcome_async(lease, task, fn)
@@ -123,8 +127,12 @@ class Executor:
                     outcome = await self._outcome_async(lease, task, fn)
                     tracing.end_attempt(attempt, _outcome_name(outcome, task), outcome.error,
                                         retry_after=outcome.throttle_after)
+            if started is not None:
+                self._ended(outcome, task, started)
             self.completer.record(outcome)
         finally:
+            if started is not None:
+                metrics.BUSY.dec()
             self._jobs.pop(lease.id, None)
             state = self.state
             with state.lock:
@@ -172,7 +180,19 @@ class Executor:
 
     def outcome(self, lease: Lease, task: Task) -> Outcome:
         """Run the handler once and say how the attempt ended; traced, when tracing is on,
-        in the attempt's CONSUMER span (jobrunner/observability/tracing.py)."""
+        in the attempt's CONSUMER span (jobrunner/observability/tracing.py), and observed
+        by the metrics when they are served (jobrunner/observability/metrics.py)."""
+        if not metrics.enabled():
+            return self._traced_outcome(lease, task)
+        started = self._started(lease)
+        try:
+            outcome = self._traced_outcome(lease, task)
+            self._ended(outcome, task, started)
+        finally:
+            metrics.BUSY.dec()
+        return outcome
+
+    def _traced_outcome(self, lease: Lease, task: Task) -> Outcome:
         if not tracing.enabled():
             return self._outcome(lease, task)
         with self._process_span(lease, task) as attempt:
@@ -180,6 +200,22 @@ class Executor:
             tracing.end_attempt(attempt, _outcome_name(outcome, task), outcome.error,
                                 retry_after=outcome.throttle_after)
         return outcome
+
+    def _started(self, lease: Lease) -> float:
+        """An attempt starts: its queue wait observed, a busy slot counted; its start time
+        (monotonic) for _ended."""
+        waited = None
+        if lease.run_after is not None and self.visibility_timeout is not None:
+            claimed_at = lease.locked_until.timestamp() - self.visibility_timeout
+            waited = claimed_at - lease.run_after.timestamp()
+        metrics.claimed(lease.batch_id, lease.tenant_id, lease.attempt, waited)
+        metrics.BUSY.inc()
+        return time.monotonic()
+
+    @staticmethod
+    def _ended(outcome: Outcome, task: Task, started: float) -> None:
+        metrics.ran(task.batch_id, task.tenant_id, _outcome_name(outcome, task),
+                    time.monotonic() - started)
 
     def _process_span(self, lease: Lease, task: Task) -> AbstractContextManager[tracing.Attempt]:
         return tracing.process_span(

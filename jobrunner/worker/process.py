@@ -36,6 +36,7 @@ from typing import Any
 
 from jobrunner.features.generators import WithGenerator
 from jobrunner.features.reduce import WithReduce
+from jobrunner.observability import metrics
 from jobrunner.runtime.effects import Effects
 from jobrunner.worker.completer import Completer
 from jobrunner.worker.config import WorkerConfig, default_worker_id
@@ -74,7 +75,8 @@ class Worker:
         self.executor = Executor(self.state, self.completer,
                                  WithGenerator(WithReduce(config.handler, config.dsn),
                                                config.dsn),
-                                 config.concurrency, config.lost_lease_grace)
+                                 config.concurrency, config.lost_lease_grace,
+                                 config.visibility_timeout)
         # The process's notifier (one LISTEN connection, the maintenance candidacy), shared
         # by every worker of the process unless the caller gives one (a bench simulating
         # many pods in one process gives each its own).
@@ -122,9 +124,11 @@ class Worker:
             self.notifier.subscribe(self.subscription)
             self.notifier.start()
         self._start_thread(self.heartbeat.run, "heartbeat")
+        metrics.SLOTS.inc(cfg.concurrency)
         try:
             self.producer.run()
         finally:
+            metrics.SLOTS.dec(cfg.concurrency)
             self._shutdown()
         return EXIT_WEDGED if self.state.wedged else EXIT_OK
 

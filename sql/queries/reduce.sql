@@ -34,7 +34,7 @@ WHERE batch_id = %(batch_id)s;
 --
 -- Lock-free: the batch's reduce step, its task (if any) and whether it is due now (the
 -- pre-check every caller runs before taking the batch's lock in reduce_lock_batch).
-SELECT b.reduce, b.cancelled_at IS NOT NULL AS cancelled, b.reduce_enqueued_at,
+SELECT b.reduce, b.tenant_id, b.cancelled_at IS NOT NULL AS cancelled, b.reduce_enqueued_at,
        b.reduced_at, b.result_bytes,
        r.status::text AS task_status, r.attempts, r.max_attempts, r.last_error,
        CASE WHEN b.reduce IS NULL OR b.cancelled_at IS NOT NULL
@@ -59,7 +59,8 @@ SELECT batch_id FROM agent_batch WHERE batch_id = %(batch_id)s FOR NO KEY UPDATE
 --
 -- The trigger: insert the reduce task if the batch has a reduce, is not cancelled, was
 -- never reduced, and every other task is terminal (with onDead fail: none dead). Returns
--- the new task's id, or nothing.
+-- the new task's id, or nothing. trace_context: the trigger's PRODUCER span (NULL when
+-- tracing is off), which the reduce's attempts link to.
 WITH due AS (
     SELECT b.batch_id, b.tenant_id, b.reduce, b.pool
     FROM agent_batch b
@@ -74,10 +75,11 @@ marked AS (
 inserted AS (
     -- (in a pool: tagged with the pool's virtual time now, so it is claimed next)
     INSERT INTO agent_work_queue (batch_id, tenant_id, task_key, payload, max_attempts, pool,
-                                  vtag)
+                                  vtag, trace_context)
     SELECT batch_id, tenant_id, '__reduce__', jsonb_build_object('reduce', reduce),
            coalesce((reduce->>'maxAttempts')::int, 8), pool,
-           CASE WHEN pool IS NOT NULL THEN jobrunner_pool_now(pool) END
+           CASE WHEN pool IS NOT NULL THEN jobrunner_pool_now(pool) END,
+           %(trace_context)s::jsonb
     FROM due  -- (a '__reduce__' key that exists: no row, as for every keyed insert)
     RETURNING id
 )

@@ -1,0 +1,111 @@
+"""A real Prometheus (github.com/prometheus/prometheus cmd/prometheus, built from the Go
+module proxy and cached by tests/e2e/harness/build.py) scraping jobrunner processes on
+127.0.0.1 with static targets, queried through its HTTP API (tests/test_dashboard.py,
+docs/observability/render.py).
+
+    with Prometheus(tmp_path, {"worker": [port1, port2], "exporter": [port3]}) as prom:
+        prom.query_range('sum(jobrunner_batch_tasks)', start, end, step=1)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from jobrunner.local.embedded import free_port
+from tests.e2e.harness import build
+
+
+def binary() -> Path | None:
+    """The cached prometheus binary, or None (`make e2e-bins` builds it)."""
+    path = build.PROMETHEUS.dir() / "bin" / "prometheus"
+    return path if os.access(path, os.X_OK) else None
+
+
+class Prometheus:
+    """`targets`: the jobrunner_component label (as the chart's monitors set it) -> the
+    ports of its processes on 127.0.0.1. Scraped every `interval` seconds."""
+
+    def __init__(self, root: Path, targets: Mapping[str, Sequence[int]],
+                 interval: float = 1.0) -> None:
+        self.root = root
+        self.targets = targets
+        self.interval = interval
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Prometheus:
+        exe = binary()
+        if exe is None:
+            raise RuntimeError("prometheus is not built: run `make e2e-bins`")
+        every = f"{int(self.interval * 1000)}ms"
+        config = {
+            "global": {"scrape_interval": every, "scrape_timeout": every,
+                       "evaluation_interval": every},
+            "scrape_configs": [{
+                "job_name": f"jobrunner-{component}",
+                "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports],
+                                    "labels": {"jobrunner_component": component}}],
+            } for component, ports in self.targets.items()],
+        }
+        path = self.root / "prometheus.yml"
+        path.write_text(yaml.safe_dump(config))
+        self.log = self.root / "prometheus.log"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [str(exe), f"--config.file={path}", f"--storage.tsdb.path={self.root / 'tsdb'}",
+                 f"--web.listen-address=127.0.0.1:{self.port}"],
+                stdout=out, stderr=out, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not self._ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("prometheus did not start:\n" + self.log.read_text()[-3000:])
+            time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _get(self, path: str, **params: Any) -> Any:
+        response = httpx.get(f"{self.url}{path}", params=params, timeout=30)
+        body = response.json()
+        if response.status_code != 200 or body.get("status") != "success":
+            raise AssertionError(f"{path} {params}: {response.status_code} {body}")
+        return body["data"]
+
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"query": expr}
+        if at is not None:
+            params["time"] = at
+        return self._get("/api/v1/query", **params)["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step: float = 1.0
+                    ) -> list[dict[str, Any]]:
+        """Each series: {"metric": labels, "values": [[t, "v"], ...]}."""
+        return self._get("/api/v1/query_range", query=expr, start=start, end=end,
+                         step=step)["result"]
+
+    def targets_up(self) -> dict[str, str]:
+        """scrape URL -> health (up, down, unknown) of every active target."""
+        return {t["scrapeUrl"]: t["health"]
+                for t in self._get("/api/v1/targets")["activeTargets"]}
