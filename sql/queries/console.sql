@@ -19,7 +19,11 @@ WITH s AS MATERIALIZED (
     LIMIT %(sample)s
 )
 SELECT q.status::text AS status, q.attempts, q.finished_at
-FROM s JOIN agent_work_queue q ON q.id = s.task_id;
+FROM s CROSS JOIN LATERAL (
+    -- (OFFSET 0 keeps this a probe of the primary key per key: flattened into a join,
+    -- the planner may prefer to hash the whole task table)
+    SELECT q.status, q.attempts, q.finished_at FROM agent_work_queue q
+    WHERE q.id = s.task_id OFFSET 0) q;
 
 -- name: console_batch_results
 -- The first %(limit)s results of a batch's done tasks in key order (at most %(scan)s keys read).
@@ -30,7 +34,9 @@ WITH s AS MATERIALIZED (
     LIMIT %(scan)s
 )
 SELECT s.task_key, left(q.result::text, %(chars)s) AS result_preview
-FROM s JOIN agent_work_queue q ON q.id = s.task_id
+FROM s CROSS JOIN LATERAL (
+    SELECT q.status, q.result FROM agent_work_queue q  -- (a probe per key: see above)
+    WHERE q.id = s.task_id OFFSET 0) q
 WHERE q.status = 'done' AND q.result IS NOT NULL
 ORDER BY s.task_key
 LIMIT %(limit)s;
