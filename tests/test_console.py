@@ -604,3 +604,18 @@ def test_proxy_headers_are_ignored_unless_turned_on(server, module_dsn, shared,
     finally:
         proxied.stop()
     assert [r[0] for r in _audit(module_dsn, "pause_limit")][-1] == "proxy:bob"
+
+
+def test_a_batch_id_with_slashes_has_its_pages(server, shared):
+    """A BatchRun's batch id is namespace/name/uid: its links (%2F) reach its pages."""
+    batch = "ops/nightly-29412345/0a1b2c3d"
+    with client(server, server.key("acme")) as c:
+        schedules = c.get("/console/schedules").text
+        link = "/console/batches/ops%2Fnightly-29412345%2F0a1b2c3d"
+        assert f'href="{link}"' in schedules
+        page = c.get(link)
+        assert page.status_code == 200 and f'<span id="batch-id">{batch}</span>' in page.text
+        assert re.findall(r'<tr class="task" data-key="([^"]+)"',
+                          c.get(f"{link}/tasks").text) == ["n"]
+        assert c.get(f"{link}/tasks/n").status_code == 200
+        assert c.get(f"{link}/export.jsonl").status_code == 200

@@ -578,13 +578,15 @@ routes = [
         Route("/api-batches", api_batches_page),
         Route("/events", events),
         Route("/events/stats", live_stats),
-        Route("/batches/{batch_id}", batch_page),
-        Route("/batches/{batch_id}/tasks", tasks_page),
-        Route("/batches/{batch_id}/tasks/{task_key:path}", task_page),
-        Route("/batches/{batch_id}/export.{fmt}", export),
-        Route("/batches/{batch_id}/requeue", requeue, methods=["POST"]),
-        Route("/batches/{batch_id}/cancel", cancel, methods=["POST"]),
-        Route("/batches/{batch_id}/budget", budget, methods=["POST"]),
+        # Batch ids hold slashes (a BatchRun's is namespace/name/uid, and the server sees
+        # %2F decoded): each id is a path, the more specific routes first.
+        Route("/batches/{batch_id:path}/tasks/{task_key:path}", task_page),
+        Route("/batches/{batch_id:path}/tasks", tasks_page),
+        Route("/batches/{batch_id:path}/export.{fmt}", export),
+        Route("/batches/{batch_id:path}/requeue", requeue, methods=["POST"]),
+        Route("/batches/{batch_id:path}/cancel", cancel, methods=["POST"]),
+        Route("/batches/{batch_id:path}/budget", budget, methods=["POST"]),
+        Route("/batches/{batch_id:path}", batch_page),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="console-static"),
     ]),
 ]
