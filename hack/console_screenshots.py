@@ -177,10 +177,14 @@ def main() -> None:
             shoot(driver, name)
         # an action, seen in the audit: pause a limit and resume it
         driver.get(f"{url}/console/limits")
-        driver.find_element(By.CSS_SELECTOR, 'tr[data-name="llm"] button.pause').click()
-        driver.find_element(By.CSS_SELECTOR, 'tr[data-name="llm"] button.resume').click()
+        row = 'tr[data-name="llm"] button.'
+        for button, then in (("pause", "resume"), ("resume", "pause")):
+            driver.find_element(By.CSS_SELECTOR, row + button).click()
+            WebDriverWait(driver, 20).until(
+                lambda d, t=then: d.find_elements(By.CSS_SELECTOR, row + t))
         driver.get(f"{url}/console/batches/acme%2Finvoices/tasks?state=dead")
         driver.find_element(By.ID, "requeue-filter").click()
+        WebDriverWait(driver, 20).until(lambda d: d.find_elements(By.ID, "confirm"))
         shoot(driver, "confirm-requeue")
         driver.get(f"{url}/console/audit")
         shoot(driver, "audit")
