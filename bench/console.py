@@ -74,8 +74,8 @@ def fill(dsn: str, rows: int, big: int, open_batches: int) -> dict[str, float]:
         conn.execute("INSERT INTO agent_batch (batch_id, tenant_id, tasks) VALUES (%s, "
                      "'tenant-0', %s)", (BIG, big))
         conn.execute("INSERT INTO agent_batch (batch_id, tenant_id, tasks, pool) "
-                     "SELECT 'open-' || b, 'tenant-' || (b % 10), %s, "
-                     "CASE WHEN b % 10 = 0 THEN 'bench-pool' END "
+                     "SELECT 'open-' || b, 'tenant-' || (b %% 10), %s, "
+                     "CASE WHEN b %% 10 = 0 THEN 'bench-pool' END "
                      "FROM generate_series(1, %s) b", (per, open_batches))
         conn.execute(FILL_BIG, {"batch": BIG, "rows": big})
         conn.execute(FILL_OPEN, {"open": open_batches, "per": per})
@@ -106,6 +106,9 @@ def pages(big: int) -> dict[str, str]:
         "dead list": "/console/dead",
         "limits": "/console/limits",
         "pools": "/console/pools",
+        # (the floor: no database, one small response each)
+        "floor: /healthz": "/healthz",
+        "floor: a static file": "/console/static/console.css",
     }
 
 
