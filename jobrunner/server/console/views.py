@@ -184,6 +184,7 @@ def batch_page(request: Request) -> Response:
         log = reads.audit_recent(conn, who.scope, batch_id, 20)
     return render("batch.html", who=who, b=view, errors=errors, audit=log,
                   cap=reads.COUNT_CAP, d=detail, sample=reads.SAMPLE,
+                  errors_sample=reads.ERRORS_SAMPLE,
                   events=f"{PREFIX}/events?topic=batch&batch={quote(batch_id, safe='')}")
 
 
