@@ -57,7 +57,8 @@ def test_api_pods_are_hardened_and_probed():
 
 def test_upstream_keys_and_the_dsn_come_from_secrets_only():
     text = TEMPLATE.read_text()
-    assert text.count("secretKeyRef") == 2  # the DSN (api) and each route's key (workers)
+    # the DSN (api), each route's key (workers), the console's CSRF key (api, optional)
+    assert text.count("secretKeyRef") == 3
     assert "api_key_env:" in text and "api_key:" not in text
     assert ".Values.database.secretName" in text
 
@@ -111,3 +112,31 @@ def test_the_rendered_api_component():
     rule = docs["Ingress"]["spec"]["rules"][0]
     assert rule["host"] == "batch.example.com"
     assert rule["http"]["paths"][0]["backend"]["service"]["name"] == "r-jobrunner-api"
+
+
+def test_the_console_trusts_proxy_headers_only_when_told():
+    helm = _helm()
+    if helm is None:
+        pytest.skip("no helm binary (HELM, PATH or the e2e harness's cache)")
+
+    def container(*sets: str) -> dict:
+        args = [helm, "template", "r", str(CHART), "--set", "api.enabled=true",
+                "--show-only", "templates/api.yaml"]
+        for s in sets:
+            args += ["--set", s]
+        out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        (deploy,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment"]
+        return deploy["spec"]["template"]["spec"]["containers"][0]
+
+    default = container()
+    assert not [a for a in default["args"] if "console" in a]  # (served, no proxy trust)
+    assert [e["name"] for e in default["env"]] == ["JOBRUNNER_DATABASE_URL"]
+    proxied = container("api.console.proxyAuth.enabled=true",
+                        "api.console.proxyAuth.adminGroup=sre",
+                        "api.console.proxyAuth.secretName=console-csrf")
+    assert [a for a in proxied["args"] if "console" in a] == [
+        "--console-proxy-auth", "--console-proxy-user-header=X-Forwarded-User",
+        "--console-proxy-groups-header=X-Forwarded-Groups", "--console-proxy-admin-group=sre"]
+    secret = {e["name"]: e for e in proxied["env"]}["JOBRUNNER_CONSOLE_SECRET"]
+    assert secret["valueFrom"]["secretKeyRef"] == {"name": "console-csrf", "key": "secret"}
+    assert "--no-console" in container("api.console.enabled=false")["args"]

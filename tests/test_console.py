@@ -278,6 +278,13 @@ def big(module_dsn: str) -> str:
             INSERT INTO agent_work_queue (tenant_id, batch_id, task_key, payload, status)
             SELECT 'plans', 'plan-' || b, 't' || g, '{}', 'pending'
             FROM generate_series(1, 300) b, generate_series(1, 10) g;
+            -- (50 of the small batches in a pool, of two tenants' weights)
+            UPDATE agent_batch SET pool = 'plans-pool'
+            WHERE batch_id IN (SELECT 'plan-' || g FROM generate_series(1, 50) g);
+            UPDATE agent_work_queue SET pool = 'plans-pool'
+            WHERE batch_id IN (SELECT 'plan-' || g FROM generate_series(1, 50) g);
+            INSERT INTO agent_pool_tenant (pool, tenant_id, weight)
+            VALUES ('plans-pool', 'plans', 2), ('plans-pool', 'other', 1);
             """)
         # (as autovacuum would: the visibility map lets the counts be index-only scans)
         for table in ("agent_work_queue", "agent_task_key", "agent_batch"):
@@ -301,6 +308,14 @@ PLANS = {
     "task_count_dead_matching": {"batch_id": "plan-0", "task_key": None, "prefix": "",
                                  "contains": '{"doc": "csv"}', "cap": 10001},
     "task_list_dead_recent": {"tenant_id": "plans", "limit": 100},
+    "console_batch_sample": {"batch_id": "plan-0", "sample": 5000},
+    "console_batch_results": {"batch_id": "plan-0", "limit": 5, "scan": 5000, "chars": 300},
+    "console_batch_reduce": {"batch_id": "plan-0", "chars": 300},
+    "console_pool_list": {"limit": 100},
+    "console_pool_tenants": {"pool": "plans-pool", "cap": 10000},
+    "console_api_batches": {"tenant_id": None, "limit": 100},
+    "console_api_tenants": {"tenant_id": "plans"},
+    "console_schedule_runs": {"tenant_id": None, "limit": 200},
 }
 
 
@@ -404,3 +419,203 @@ def test_a_pool_batch_requeued_wakes_the_pool_workers_and_login_refuses_other_si
         refused = anon.post("/console/login", data={"key": "jr-x"},
                             headers={"Origin": "https://evil.example"})
         assert refused.status_code == 403
+
+
+# -- the views of limits, pools, schedules and API batches; the batch page's detail -----
+@pytest.fixture(scope="module")
+def shared(server: ConsoleServer, dead_batch) -> dict:
+    """A limit, a pool with two tenants' batches and a weight, a scheduled run's batch and
+    two Batch API batches (one whose model name holds HTML)."""
+    from jobrunner.store import flowcontrol, workerpools
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        flowcontrol.set_limit(conn, "llm", requests=600, max_concurrent=4)
+        workerpools.set_weight(conn, "gpu", "acme", 3.0)
+        conn.execute("""
+            INSERT INTO api_batch (batch_id, tenant_id, input_file_id, endpoint,
+                                   completion_window, model, status, total, completed,
+                                   failed, expires_at)
+            VALUES ('batch_a1', 'acme', 'file-1', '/v1/chat/completions', '24h',
+                    '<b>llama</b>', 'completed', 10, 9, 1, now() + interval '1 day'),
+                   ('batch_g1', 'globex', 'file-2', '/v1/chat/completions', '24h',
+                    'qwen', 'in_progress', 5, 0, 0, now() + interval '1 day')""")
+    for batch, tenant in (("gpu-acme", "acme"), ("gpu-globex", "globex")):
+        cli("enqueue", "-", "--batch", batch, "--tenant", tenant, "--pool", "gpu",
+            dsn=server.dsn, input='{"key": "a", "payload": {}}\n{"key": "b", "payload": {}}\n',
+            check=True)
+    enqueue(server.dsn, "ops/nightly-29412345/0a1b2c3d", "acme", [{"key": "n", "payload": {}}])
+    enqueue(server.dsn, "ops/nightly-manual-now/4e5f6a7b", "acme", [{"key": "n", "payload": {}}])
+    return {"pool": "gpu", "limit": "llm"}
+
+
+def test_limits_pools_schedules_and_api_batches_are_shown_to_their_tenant(server, shared):
+    with client(server, server.key("acme")) as c:
+        limits = c.get("/console/limits").text
+        pools = c.get("/console/pools").text
+        schedules = c.get("/console/schedules").text
+        api = c.get("/console/api-batches").text
+    assert 'data-name="llm"' in limits and "0 / 4" in limits and "600" in limits
+    assert "Pause" not in limits  # (a read key sees no action)
+    # acme's row of the pool only, with its weight; acme has both pending tasks of gpu-acme
+    assert 'data-pool="gpu"' in pools and 'data-tenant="acme"' in pools
+    assert 'data-tenant="globex"' not in pools
+    assert re.search(r'class="num weight">3<', pools)
+    assert "ops/nightly" in schedules and "2025-12-03 05:45" in schedules
+    assert "manual" in schedules
+    assert 'data-batch="batch_a1"' in api and "batch_g1" not in api
+    assert "&lt;b&gt;llama&lt;/b&gt;" in api and "<b>llama" not in api
+    with client(server, server.key("*")) as c:
+        pools = c.get("/console/pools").text
+        api = c.get("/console/api-batches").text
+    # the operator sees both tenants, sharing the pool by weight (3 and the default 1)
+    assert 'data-tenant="globex"' in pools and "75.0%" in pools and "25.0%" in pools
+    assert "batch_g1" in api and "batch_a1" in api
+
+
+def test_the_batch_page_shows_throughput_attempts_and_results_escaped(server, dead_batch):
+    with client(server, server.key("acme")) as c:
+        page = c.get("/console/batches/acme-b1").text
+    bars = [int(n) for n in re.findall(r'<rect class="done"[^>]*data-count="(\d+)"', page)]
+    assert len(bars) == 30 and sum(bars) == 5  # the 5 done tasks, over time
+    assert re.findall(r'<tr data-attempts="(\d+)"><td class="num">\d+</td>'
+                      r'<td class="num">(\d+)</td>', page) == [("1", "10")]
+    preview = page[page.index('id="result-preview"'):]
+    assert re.findall(r'/tasks/([^"]+)">', preview)[:5] == ["html", "ok-00", "ok-01", "ok-02",
+                                                             "ok-03"]
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in preview and "<script>alert" not in page
+    for fmt in ("jsonl", "csv", "openai"):
+        assert f'/console/batches/acme-b1/export.{fmt}"' in page
+
+
+def _audit(dsn: str, action: str) -> list[tuple]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute("SELECT key_id, tenant_id, batch_id, detail, rows FROM "
+                            "console_audit WHERE action = %s ORDER BY id", (action,)).fetchall()
+
+
+def test_limit_pool_and_budget_actions_need_an_admin_csrf_and_are_audited(server, shared):
+    from jobrunner.store import flowcontrol
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        flowcontrol.set_budget(conn, "acme-b1", tokens=100)
+    reader, tenant_admin, operator = (server.key("acme"), server.key("acme", "admin"),
+                                      server.key("*", "admin"))
+    pause = "/console/limits/llm/pause"
+    weight = "/console/pools/gpu/weight"
+    budget = "/console/batches/acme-b1/budget"
+
+    def blocked() -> bool:
+        with psycopg.connect(server.dsn) as conn:
+            return conn.execute("SELECT blocked_until > now() + interval '1 year' "
+                                "FROM agent_limit WHERE name = 'llm'").fetchone()[0] is True
+
+    with client(server, reader) as c:
+        token = csrf_of(c.get("/console/limits").text)
+        for url, data in ((pause, {}), (weight, {"tenant": "acme", "weight": "9"}),
+                          (budget, {"tokens": "500"})):
+            refused = c.post(url, data={"csrf": token, **data})
+            assert refused.status_code == 403 and "role is read" in refused.text
+    with client(server, tenant_admin) as c:
+        token = csrf_of(c.get("/console/batches/acme-b1").text)
+        # limits and pools are every tenant's: a tenant's admin may not change them
+        assert c.post(pause, data={"csrf": token}).status_code == 403
+        assert c.post(weight, data={"csrf": token, "tenant": "acme",
+                                    "weight": "9"}).status_code == 403
+        assert c.post(budget, data={"tokens": "500"}).status_code == 403  # (no token)
+        lower = c.post(budget, data={"csrf": token, "tokens": "50"})
+        assert lower.status_code == 400 and "above" in lower.text
+        raised = c.post(budget, data={"csrf": token, "tokens": "500"}, follow_redirects=False)
+        assert raised.status_code == 303
+        page = c.get("/console/batches/acme-b1").text
+        assert "raise_budget" in page and "/ 500" in page
+    assert not blocked()
+    with client(server, operator) as c:
+        token = csrf_of(c.get("/console/limits").text)
+        assert c.post(pause, data={"csrf": "0" * 64}).status_code == 403
+        assert c.post(pause, data={"csrf": token},
+                      headers={"Origin": "https://evil.example"}).status_code == 403
+        assert not blocked()
+        assert c.post(pause, data={"csrf": token}, follow_redirects=False).status_code == 303
+        assert blocked() and ">paused<" in c.get("/console/limits").text
+        assert c.post("/console/limits/llm/resume", data={"csrf": token},
+                      follow_redirects=False).status_code == 303
+        assert not blocked()
+        assert c.post("/console/limits/nope/pause", data={"csrf": token}).status_code == 404
+        assert c.post(weight, data={"csrf": token, "tenant": "globex",
+                                    "weight": "5000"}).status_code == 400
+        assert c.post(weight, data={"csrf": token, "tenant": "globex", "weight": "2"},
+                      follow_redirects=False).status_code == 303
+        audit = c.get("/console/audit").text
+        assert "pause_limit" in audit and "set_pool_weight" in audit
+    with psycopg.connect(server.dsn) as conn:
+        assert conn.execute("SELECT weight FROM agent_pool_tenant WHERE pool = 'gpu' "
+                            "AND tenant_id = 'globex'").fetchone() == (2.0,)
+        assert conn.execute("SELECT budget_tokens FROM agent_batch_usage "
+                            "WHERE batch_id = 'acme-b1'").fetchone() == (500,)
+    with psycopg.connect(server.dsn) as conn:
+        operators = {r[0] for r in conn.execute(
+            "SELECT key_id FROM api_key WHERE tenant_id = '*' AND role = 'admin'")}
+        admins = {r[0] for r in conn.execute(
+            "SELECT key_id FROM api_key WHERE tenant_id = 'acme' AND role = 'admin'")}
+    # (who: the operator's key; what: the limit, pool, weight, budgets; how many rows)
+    assert [r[1:] for r in _audit(server.dsn, "pause_limit") if r[0] in operators] == [
+        ("*", None, {"limit": "llm"}, 1)]
+    assert [r[1:] for r in _audit(server.dsn, "resume_limit") if r[0] in operators] == [
+        ("*", None, {"limit": "llm"}, 1)]
+    assert [r[1:] for r in _audit(server.dsn, "set_pool_weight") if r[0] in operators] == [
+        ("*", None, {"pool": "gpu", "tenant": "globex", "weight": 2.0}, 1)]
+    assert [r[1:] for r in _audit(server.dsn, "raise_budget") if r[0] in admins] == [
+        ("acme", "acme-b1", {"tokens": [100, 500], "cost": None}, 1)]
+
+
+def test_proxy_headers_are_ignored_unless_turned_on(server, module_dsn, shared,
+                                                    tmp_path):
+    forged = {"X-Forwarded-User": "mallory", "X-Forwarded-Groups": "jobrunner-admins"}
+    with client(server, None) as anon:
+        r = anon.get("/console/limits", headers=forged, follow_redirects=False)
+        assert r.status_code == 303 and "/console/login" in r.headers["location"]
+        assert anon.get("/console/events?topic=overview", headers=forged).status_code == 401
+        assert anon.post("/console/limits/llm/pause", headers=forged,
+                         data={"csrf": "x"}).status_code == 401
+    proxied = ConsoleServer(module_dsn, tmp_path, "--console-proxy-auth",
+                            "--console-proxy-user-header", "X-Auth-User",
+                            "--console-proxy-admin-group", "ops").start()
+    try:
+        with client(proxied, None) as c:
+            # (the default header names are not these: ignored too)
+            assert c.get("/console/limits", headers=forged,
+                         follow_redirects=False).status_code == 303
+            reader = c.get("/console/limits", headers={"X-Auth-User": "alice",
+                                                       "X-Forwarded-Groups": "dev"})
+            assert reader.status_code == 200 and 'id="who-role" class="role role-read"' in \
+                reader.text and "Pause" not in reader.text
+            refused = c.post("/console/limits/llm/pause", data={"csrf": csrf_of(reader.text)},
+                             headers={"X-Auth-User": "alice"})
+            assert refused.status_code == 403
+            admin = {"X-Auth-User": "bob", "X-Forwarded-Groups": "dev, ops"}
+            page = c.get("/console/limits", headers=admin).text
+            assert "role-admin" in page and "proxy:bob" in page
+            token = csrf_of(page)
+            assert token != csrf_of(reader.text)
+            assert c.post("/console/limits/llm/pause", data={"csrf": csrf_of(reader.text)},
+                          headers=admin).status_code == 403
+            done = c.post("/console/limits/llm/pause", data={"csrf": token}, headers=admin,
+                          follow_redirects=False)
+            assert done.status_code == 303
+            c.post("/console/limits/llm/resume", data={"csrf": token}, headers=admin)
+    finally:
+        proxied.stop()
+    assert [r[0] for r in _audit(module_dsn, "pause_limit")][-1] == "proxy:bob"
+
+
+def test_a_batch_id_with_slashes_has_its_pages(server, shared):
+    """A BatchRun's batch id is namespace/name/uid: its links (%2F) reach its pages."""
+    batch = "ops/nightly-29412345/0a1b2c3d"
+    with client(server, server.key("acme")) as c:
+        schedules = c.get("/console/schedules").text
+        link = "/console/batches/ops%2Fnightly-29412345%2F0a1b2c3d"
+        assert f'href="{link}"' in schedules
+        page = c.get(link)
+        assert page.status_code == 200 and f'<span id="batch-id">{batch}</span>' in page.text
+        assert re.findall(r'<tr class="task" data-key="([^"]+)"',
+                          c.get(f"{link}/tasks").text) == ["n"]
+        assert c.get(f"{link}/tasks/n").status_code == 200
+        assert c.get(f"{link}/export.jsonl").status_code == 200

@@ -17,7 +17,7 @@ from urllib.parse import quote
 import pytest
 
 from tests.support.console import ConsoleServer, counts, enqueue, module_database, worker
-from tests.support.processes import wait_for
+from tests.support.processes import cli, wait_for
 
 CHROMIUM = Path(os.environ.get("JOBRUNNER_CHROMIUM", "/usr/bin/chromium"))
 CHROMEDRIVER = Path(os.environ.get("JOBRUNNER_CHROMEDRIVER", "/usr/bin/chromedriver"))
@@ -255,3 +255,41 @@ def test_a_payload_holding_a_script_is_shown_as_text(server, new_browser):
     assert driver.find_element(By.ID, "task-key").text == "x<b>1</b>"
     assert driver.execute_script("return window.__xss === undefined;")
     assert not driver.find_elements(By.CSS_SELECTOR, "#payload script, #payload img, b")
+
+
+def test_an_operator_pauses_a_limit_sets_a_weight_and_sees_both_in_the_audit(
+        server, new_browser):
+    cli("limit", "set", "web-llm", "--requests", "60", dsn=server.dsn, check=True)
+    cli("enqueue", "-", "--batch", "web-pool", "--tenant", "acme", "--pool", "web-gpu",
+        dsn=server.dsn, input='{"key": "a", "payload": {}}\n', check=True)
+    driver = new_browser()
+    login(driver, server, server.key("*", "admin"), "/console/limits")
+    row = 'tr[data-name="web-llm"]'
+    driver.find_element(By.CSS_SELECTOR, f"{row} button.pause").click()
+    until(driver, lambda d: text_of(d, f"{row} td.blocked") == "paused", what="the pause")
+    driver.find_element(By.CSS_SELECTOR, f"{row} button.resume").click()
+    until(driver, lambda d: text_of(d, f"{row} td.blocked") == "-", what="the resume")
+    driver.get(f"{server.url}/console/pools")
+    tenant = 'section[data-pool="web-gpu"] tr[data-tenant="acme"]'
+    field = driver.find_element(By.CSS_SELECTOR, f"{tenant} input.weight-input")
+    field.clear()
+    field.send_keys("4")
+    driver.find_element(By.CSS_SELECTOR, f"{tenant} button.set-weight").click()
+    until(driver, lambda d: (text_of(d, f"{tenant} td.weight") or "").startswith("4"),
+          what="the new weight")
+    driver.get(f"{server.url}/console/audit")
+    audit = driver.find_element(By.ID, "audit").text
+    assert "pause_limit" in audit and "resume_limit" in audit and "set_pool_weight" in audit
+
+
+def test_the_batch_page_draws_its_throughput_and_attempts(server, new_browser, dead_batch):
+    driver = new_browser()
+    login(driver, server, server.key("acme"), "/console/batches/web-dead")
+    bars = driver.find_elements(By.CSS_SELECTOR, "#throughput-chart rect")
+    assert len(bars) == 30 and sum(int(b.get_attribute("data-count")) for b in bars) == 2
+    assert driver.find_element(By.ID, "throughput-chart").size["height"] > 100
+    rows = driver.find_elements(By.CSS_SELECTOR, "#attempts-histogram tbody tr")
+    assert [r.get_attribute("data-attempts") for r in rows] == ["1"]
+    assert [r.get_attribute("href").rsplit("/", 1)[-1] for r in driver.find_elements(
+        By.CSS_SELECTOR, "#result-preview a")] == ["ok0", "ok1"]
+    assert not driver.find_elements(By.ID, "raise-budget")  # (a read key, no budget)

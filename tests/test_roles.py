@@ -209,8 +209,13 @@ def test_each_component_does_its_work_and_only_that(install):
     with psycopg.connect(api, autocommit=True) as conn:
         conn.execute("SELECT count(*) FROM api_key")
     for statement in ("DELETE FROM agent_work_queue", "UPDATE agent_limit SET lanes = 2",
-                      "SELECT jobrunner_pool_set_weight('p', 'acme', 2)"):
+                      "UPDATE agent_limit SET requests = 1", "DELETE FROM agent_limit"):
         _denied(api, statement)
+    # ... but the console's admin actions: a limit's pause and resume (its block only),
+    # and a tenant's weight in a pool
+    with psycopg.connect(api, autocommit=True) as conn:
+        conn.execute("UPDATE agent_limit SET blocked_until = NULL, updated_at = now()")
+        conn.execute("SELECT jobrunner_pool_set_weight('p', 'acme', 2)")
     # the worker runs the batch to the end
     start_worker(worker, "b1", HANDLER, "--exit-when-drained")
     with psycopg.connect(operator, row_factory=dict_row) as conn:

@@ -93,6 +93,21 @@ def serve(
     console: Annotated[bool, typer.Option(
         "--console/--no-console", help="Serve the web console under /console "
         "(docs/console.md).")] = True,
+    console_proxy_auth: Annotated[bool, typer.Option(
+        "--console-proxy-auth", help="Trust the proxy's user and groups headers in the "
+        "console (oauth2-proxy). Only when every request comes through that proxy: anyone "
+        "reaching the server directly could send them. Off: the headers are ignored.")
+    ] = False,
+    console_proxy_user_header: Annotated[str, typer.Option(
+        help="The header naming the proxy's user.")] = "X-Forwarded-User",
+    console_proxy_groups_header: Annotated[str, typer.Option(
+        help="The header listing the user's groups, comma-separated.")] = "X-Forwarded-Groups",
+    console_proxy_admin_group: Annotated[str, typer.Option(
+        help="The group whose users are console admins (others: read).")] = "jobrunner-admins",
+    console_secret: Annotated[str | None, typer.Option(
+        envvar="JOBRUNNER_CONSOLE_SECRET", show_default=False,
+        help="Key of the proxy users' CSRF tokens, the same on every replica (default: "
+        "random per process, so a form works only on the replica that served it).")] = None,
     dsn: DsnOpt = None,
 ) -> None:
     """The OpenAI Files and Batches API over HTTP (docs/batch-api.md), and the web
@@ -105,7 +120,11 @@ def serve(
                         max_attempts=max_attempts, min_window_seconds=min_window_seconds,
                         max_window_seconds=max_window_seconds,
                         output_retention_seconds=output_retention_days * 86400,
-                        console=console)
+                        console=console, console_proxy_auth=console_proxy_auth,
+                        console_proxy_user_header=console_proxy_user_header,
+                        console_proxy_groups_header=console_proxy_groups_header,
+                        console_proxy_admin_group=console_proxy_admin_group,
+                        console_secret=console_secret)
     settings.routes()  # a bad routing table stops here, not at the first batch
     run(settings, host, port, reuse_port=reuse_port, log_level=log_level)
 

@@ -37,6 +37,12 @@ class Settings:
     console: bool = True                     # the web console under /console (docs/console.md)
     console_min_gap: float = 1.0             # its live updates: one refresh per topic at most
     console_poll: float = 2.0                # this often, and this often while nothing notifies
+    # Trusted proxy headers for the console (oauth2-proxy; docs/console.md): off by default.
+    console_proxy_auth: bool = False
+    console_proxy_user_header: str = "X-Forwarded-User"
+    console_proxy_groups_header: str = "X-Forwarded-Groups"
+    console_proxy_admin_group: str = "jobrunner-admins"
+    console_secret: str | None = None        # CSRF key of proxy users (None: per process)
 
     def window_seconds(self, window: Any) -> int:
         match = _DURATION.match(window) if isinstance(window, str) else None

@@ -106,7 +106,8 @@ TO {operator};
 -- ---------------------------------------------------------------------------------------
 -- api (`jobrunner serve`: the Batch API and the console): its own tables; enqueueing
 -- its batches' tasks, reading their progress and results, cancelling them; the
--- console's admin actions (requeue dead tasks, cancel) with their audit rows.
+-- console's admin actions (requeue dead tasks, cancel, budgets, limits' pauses, pool
+-- weights) with their audit rows.
 GRANT SELECT, INSERT, UPDATE, DELETE ON api_key, api_file, api_file_chunk, api_batch
     TO {api};
 GRANT SELECT, INSERT ON console_audit TO {api};
@@ -116,11 +117,16 @@ GRANT SELECT, INSERT, UPDATE ON agent_work_queue, agent_batch, agent_task_usage,
 GRANT SELECT, INSERT ON agent_task_key TO {api};
 GRANT SELECT ON agent_task_effect, agent_limit, agent_limit_lane, agent_pool_tenant,
     agent_pool_tenant_usage, jobrunner_schema_migrations TO {api};
+-- The console's admin actions on flow control and pools: pause and resume a limit (its
+-- block only, not its rates), set a tenant's weight in a pool.
+GRANT UPDATE (blocked_until, updated_at) ON agent_limit TO {api};
+GRANT INSERT, UPDATE ON agent_pool_tenant TO {api};
 GRANT USAGE ON SEQUENCE agent_work_queue_id_seq TO {api};
 GRANT EXECUTE ON FUNCTION
     jobrunner_batch_settled(text, text),
     jobrunner_pool_now(text),
     jobrunner_pool_relay(text, text, integer, double precision, double precision),
+    jobrunner_pool_set_weight(text, text, double precision),
     jobrunner_pool_start(text, text, integer, text),
     jobrunner_pool_stride(text, text, integer)
 TO {api};

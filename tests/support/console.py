@@ -38,8 +38,8 @@ def module_database(admin_dsn: str, template: str) -> Iterator[str]:
 class ConsoleServer:
     """`jobrunner serve` on a free port of 127.0.0.1, its log in `tmp`."""
 
-    def __init__(self, dsn: str, tmp: Path) -> None:
-        self.dsn, self.tmp, self.port = dsn, tmp, free_port()
+    def __init__(self, dsn: str, tmp: Path, *args: str) -> None:
+        self.dsn, self.tmp, self.port, self.args = dsn, tmp, free_port(), args
         self.proc: subprocess.Popen | None = None
         self.last_answer = "none"
 
@@ -50,7 +50,7 @@ class ConsoleServer:
     def start(self) -> ConsoleServer:
         log = open(self.tmp / "serve.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jobrunner", "serve", "--port", str(self.port)],
+            [sys.executable, "-m", "jobrunner", "serve", "--port", str(self.port), *self.args],
             env=child_env(self.dsn), cwd=REPO, stdout=log, stderr=log,
             start_new_session=True)
         try:

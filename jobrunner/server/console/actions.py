@@ -1,5 +1,6 @@
 """The console's actions, for admin keys only: requeue dead tasks (one, or every one
-matching the browser's filter, its count confirmed first) and cancel a batch. Each runs
+matching the browser's filter, its count confirmed first), cancel a batch, raise its
+budget; for an operator's admin also pause and resume a limit and set a pool weight. Each runs
 in one transaction with its audit row (jobrunner/store/audit.py), and ends with the
 queue's wake-up (batch_notify), which the batch's workers and every replica's live
 updates listen for."""
@@ -7,14 +8,18 @@ updates listen for."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import psycopg
 
+from jobrunner.model.errors import BadInput
 from jobrunner.server.console.auth import ConsoleError, Viewer
 from jobrunner.server.console.filters import TaskFilter
 from jobrunner.server.console.reads import BULK_CAP
 from jobrunner.store import audit, batches, tasks
+from jobrunner.store import console as console_store
+from jobrunner.store import flowcontrol as flow
 from jobrunner.store import workerpools as pools
 
 
@@ -85,3 +90,77 @@ def cancel_batch(conn: psycopg.Connection, who: Viewer, batch_id: str) -> int:
                      action="cancel_batch", batch_id=batch_id, detail=None, rows=moved)
         batches.notify(conn, batch_id)
     return moved
+
+
+# -- flow control and pools -----------------------------------------------------------
+def require_operator(who: Viewer) -> None:
+    """Limits and pools are shared by every tenant: only an operator's admin (a key of
+    tenant '*', or a trusted proxy's admin) changes them."""
+    if who.scope is not None:
+        raise ConsoleError(403, "Refused: limits and pool weights are shared by every "
+                           "tenant; they need an operator's admin key (tenant '*').")
+
+
+def set_limit_paused(conn: psycopg.Connection, who: Viewer, name: str, paused: bool
+                     ) -> None:
+    """Pause a limit (no task naming it is claimed until it is resumed) or resume it.
+    Workers waiting on it claim again at their next look (the idle poll): no notification
+    names the batches whose tasks name a limit."""
+    require_operator(who)
+    try:
+        with conn.transaction():
+            found = (console_store.pause_limit if paused else console_store.resume_limit)(
+                conn, name)
+            if not found:
+                raise ConsoleError(404, f"No limit {name!r}.")
+            audit.record(conn, key_id=who.key_id, tenant_id=who.tenant_id,
+                         action="pause_limit" if paused else "resume_limit", batch_id=None,
+                         detail={"limit": name}, rows=1)
+    except BadInput as exc:
+        raise ConsoleError(400, str(exc)) from None
+
+
+def raise_budget(conn: psycopg.Connection, who: Viewer, batch_id: str, *,
+                 tokens: int | None, cost: Decimal | None) -> None:
+    """Raise the batch's token or cost budget (never lower it: that is a new decision, made
+    with `jobrunner budget set`); an exhausted budget raised resumes the batch's claims."""
+    if tokens is None and cost is None:
+        raise ConsoleError(400, "Give a new token budget or cost budget.")
+    try:
+        with conn.transaction():
+            _batch(conn, batch_id, who)
+            before = flow.batch_usage(conn, batch_id, by_status=False)
+            for new, old, what in ((tokens, before.budget_tokens, "token"),
+                                   (cost, before.budget_cost, "cost")):
+                if new is None:
+                    continue
+                if old is None:
+                    raise ConsoleError(409, f"The batch has no {what} budget to raise.")
+                if Decimal(new) <= Decimal(old):
+                    raise ConsoleError(400, f"The new {what} budget ({new}) must be above "
+                                       f"the current one ({old}).")
+            flow.set_budget(conn, batch_id, tokens=tokens, cost=cost)
+            audit.record(conn, key_id=who.key_id, tenant_id=who.tenant_id,
+                         action="raise_budget", batch_id=batch_id, detail={
+                             "tokens": [before.budget_tokens, tokens] if tokens else None,
+                             "cost": ([str(before.budget_cost), str(cost)]
+                                      if cost is not None else None)}, rows=1)
+    except BadInput as exc:
+        raise ConsoleError(400, str(exc)) from None
+
+
+def set_pool_weight(conn: psycopg.Connection, who: Viewer, pool: str, tenant_id: str,
+                    weight: float) -> int:
+    """Set a tenant's weight in a pool; returns the streams re-laid."""
+    require_operator(who)
+    try:
+        with conn.transaction():
+            streams = pools.set_weight(conn, pool, tenant_id, weight)
+            audit.record(conn, key_id=who.key_id, tenant_id=who.tenant_id,
+                         action="set_pool_weight", batch_id=None,
+                         detail={"pool": pool, "tenant": tenant_id, "weight": weight},
+                         rows=1)
+            pools.notify(conn, pool)
+    except BadInput as exc:
+        raise ConsoleError(400, str(exc)) from None
+    return streams

@@ -8,6 +8,8 @@ action passes.
 - The cookie holds the key itself (HttpOnly, Secure, SameSite=Strict, path /console):
   every request looks the key up again, as the Batch API does, so a revoked key stops at
   once on every replica, and no session state lives in a replica.
+- A trusted proxy (ProxyAuth, off by default) may say who the user is in headers, as
+  oauth2-proxy does; its users see every tenant, and are admins in the admin group.
 - CSRF: every form carries a token derived from the key (an HMAC of a fixed label under
   the key), which a page of another site cannot know; it is checked in constant time,
   and a request whose Origin is another site is refused before that. SameSite=Strict
@@ -44,6 +46,9 @@ class Viewer:
     tenant_id: str
     role: str
     key: str  # the presented key: only to derive the CSRF token, never rendered
+    # A trusted proxy's user has no key: its token is an HMAC of its name under the
+    # server's console secret instead.
+    secret: bytes | None = None
 
     @property
     def admin(self) -> bool:
@@ -56,7 +61,35 @@ class Viewer:
 
     @property
     def csrf(self) -> str:
+        if self.secret is not None:
+            return hmac.new(self.secret, _CSRF_LABEL + b"\0" + self.key.encode(),
+                            hashlib.sha256).hexdigest()
         return hmac.new(self.key.encode(), _CSRF_LABEL, hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class ProxyAuth:
+    """Trusted proxy headers (oauth2-proxy's X-Forwarded-User and X-Forwarded-Groups).
+    Off by default; when off the headers are ignored, whoever sends them. Turn it on only
+    when every request reaches the server through the proxy, which sets (and overwrites)
+    the headers: anyone who can reach the server directly could send them."""
+
+    enabled: bool = False
+    user_header: str = "X-Forwarded-User"
+    groups_header: str = "X-Forwarded-Groups"
+    admin_group: str = "jobrunner-admins"
+    secret: bytes = b""  # the CSRF tokens' key for proxy users (shared by the replicas)
+
+    def viewer(self, request: Request) -> Viewer | None:
+        if not self.enabled:
+            return None
+        user = request.headers.get(self.user_header, "").strip()
+        if not user:
+            return None
+        groups = {g.strip() for g in request.headers.get(self.groups_header, "").split(",")}
+        role = "admin" if self.admin_group and self.admin_group in groups else "read"
+        # A proxy's user is an operator: it sees every tenant, as a key of tenant '*'.
+        return Viewer(f"proxy:{user}"[:200], keys.ALL_TENANTS, role, user, self.secret)
 
 
 def presented_key(request: Request) -> str | None:
@@ -66,10 +99,12 @@ def presented_key(request: Request) -> str | None:
     return request.cookies.get(COOKIE) or None
 
 
-def viewer(request: Request, conn: Any) -> Viewer | None:
+def viewer(request: Request, conn: Any, proxy: ProxyAuth | None = None) -> Viewer | None:
+    """The request's key's viewer; without a key, the trusted proxy's user (if that is
+    turned on)."""
     key = presented_key(request)
     if not key:
-        return None
+        return proxy.viewer(request) if proxy is not None else None
     row = keys.find_key(conn, key)
     if row is None:
         return None

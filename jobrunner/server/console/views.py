@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -33,6 +35,7 @@ from jobrunner.server.console import actions, live, reads
 from jobrunner.server.console.auth import (
     COOKIE,
     ConsoleError,
+    ProxyAuth,
     Viewer,
     check_csrf,
     require_admin,
@@ -100,11 +103,17 @@ def render_topic(topic: live.Topic, conn: Any) -> dict[str, str] | None:
 
 
 class Console:
-    """What the console keeps per server process: the live updates' hub."""
+    """What the console keeps per server process: the live updates' hub, and the trusted
+    proxy's settings."""
 
     def __init__(self, ctx: Context, *, min_gap: float, poll: float) -> None:
         self.hub = live.Hub(ctx.settings.dsn, ctx.db, render_topic, min_gap=min_gap,
                             poll=poll)
+        s = ctx.settings
+        secret = s.console_secret.encode() if s.console_secret else os.urandom(32)
+        self.proxy = ProxyAuth(s.console_proxy_auth, s.console_proxy_user_header,
+                               s.console_proxy_groups_header, s.console_proxy_admin_group,
+                               secret)
 
 
 def console(request: Request) -> Console:
@@ -116,8 +125,9 @@ def console(request: Request) -> Console:
 
 # -- who is asking ---------------------------------------------------------------------
 def _who(request: Request) -> Viewer | None:
+    proxy = console(request).proxy
     with context(request).db.connection() as conn:
-        return viewer(request, conn)
+        return viewer(request, conn, proxy)
 
 
 def _page_viewer(request: Request) -> Viewer:
@@ -170,9 +180,11 @@ def batch_page(request: Request) -> Response:
         if view is None:
             raise ConsoleError(404, f"No batch {batch_id!r} here.")
         errors = reads.batch_errors(conn, batch_id)
+        detail = reads.batch_detail(conn, view)
         log = reads.audit_recent(conn, who.scope, batch_id, 20)
     return render("batch.html", who=who, b=view, errors=errors, audit=log,
-                  cap=reads.COUNT_CAP,
+                  cap=reads.COUNT_CAP, d=detail, sample=reads.SAMPLE,
+                  errors_sample=reads.ERRORS_SAMPLE,
                   events=f"{PREFIX}/events?topic=batch&batch={quote(batch_id, safe='')}")
 
 
@@ -224,6 +236,35 @@ def audit_page(request: Request) -> Response:
     with context(request).db.connection() as conn:
         rows = reads.audit_recent(conn, who.scope, None, 200)
     return render("audit.html", who=who, rows=rows)
+
+
+def limits_page(request: Request) -> Response:
+    who = _page_viewer(request)
+    with context(request).db.connection() as conn:
+        rows = reads.limits(conn)
+    return render("limits.html", who=who, rows=rows)
+
+
+def pools_page(request: Request) -> Response:
+    who = _page_viewer(request)
+    with context(request).db.connection() as conn:
+        found = reads.pools(conn, who.scope)
+    return render("pools.html", who=who, pools=found, cap=reads.COUNT_CAP)
+
+
+def schedules_page(request: Request) -> Response:
+    who = _page_viewer(request)
+    with context(request).db.connection() as conn:
+        found = reads.schedules(conn, who.scope)
+    return render("schedules.html", who=who, schedules=found, shown=reads.SCHEDULE_RUNS_SHOWN)
+
+
+def api_batches_page(request: Request) -> Response:
+    who = _page_viewer(request)
+    with context(request).db.connection() as conn:
+        rows, tenants = reads.api_batches(conn, who.scope)
+    return render("api_batches.html", who=who, rows=rows, tenants=tenants,
+                  shown=reads.API_BATCHES_SHOWN)
 
 
 async def export(request: Request) -> Response:
@@ -413,6 +454,67 @@ async def cancel(request: Request) -> Response:
     return await run_in_threadpool(run)
 
 
+def _back(path: str, done: str) -> Response:
+    return RedirectResponse(f"{PREFIX}{path}?done={quote(done, safe='')}", 303,
+                            headers=HEADERS)
+
+
+async def limit_action(request: Request) -> Response:
+    """Pause or resume a limit (an operator's admin)."""
+    who, _form = await _action_viewer(request)
+    name, verb = request.path_params["name"], request.path_params["verb"]
+    if verb not in ("pause", "resume"):
+        raise ConsoleError(404, "Limits are paused or resumed.")
+    ctx = context(request)
+
+    def run() -> Response:
+        with ctx.db.connection() as conn:
+            actions.set_limit_paused(conn, who, name, verb == "pause")
+        return _back("/limits", f"{verb}d-{name}")
+
+    return await run_in_threadpool(run)
+
+
+async def budget(request: Request) -> Response:
+    """Raise a batch's token or cost budget."""
+    who, form = await _action_viewer(request)
+    batch_id = request.path_params["batch_id"]
+    tokens_text = str(form.get("tokens") or "").strip()
+    cost_text = str(form.get("cost") or "").strip()
+    try:
+        tokens = int(tokens_text) if tokens_text else None
+        cost = Decimal(cost_text) if cost_text else None
+    except (ValueError, InvalidOperation):
+        raise ConsoleError(400, "A budget is a whole number of tokens or a decimal cost."
+                           ) from None
+    ctx = context(request)
+
+    def run() -> Response:
+        with ctx.db.connection() as conn:
+            actions.raise_budget(conn, who, batch_id, tokens=tokens, cost=cost)
+        return _back(f"/batches/{quote(batch_id, safe='')}", "budget-raised")
+
+    return await run_in_threadpool(run)
+
+
+async def pool_weight(request: Request) -> Response:
+    """Set a tenant's weight in a pool (an operator's admin)."""
+    who, form = await _action_viewer(request)
+    pool, tenant = request.path_params["pool"], str(form.get("tenant") or "")
+    try:
+        weight = float(str(form.get("weight", "")))
+    except ValueError:
+        raise ConsoleError(400, "A weight is a number between 0.001 and 1000.") from None
+    ctx = context(request)
+
+    def run() -> Response:
+        with ctx.db.connection() as conn:
+            actions.set_pool_weight(conn, who, pool, tenant, weight)
+        return _back("/pools", f"weight-{pool}-{tenant}")
+
+    return await run_in_threadpool(run)
+
+
 # -- live updates ----------------------------------------------------------------------
 async def events(request: Request) -> Response:
     who = await run_in_threadpool(_who, request)
@@ -469,14 +571,23 @@ routes = [
         Route("/logout", logout, methods=["POST"]),
         Route("/dead", dead_page),
         Route("/audit", audit_page),
+        Route("/limits", limits_page),
+        Route("/limits/{name}/{verb}", limit_action, methods=["POST"]),
+        Route("/pools", pools_page),
+        Route("/pools/{pool}/weight", pool_weight, methods=["POST"]),
+        Route("/schedules", schedules_page),
+        Route("/api-batches", api_batches_page),
         Route("/events", events),
         Route("/events/stats", live_stats),
-        Route("/batches/{batch_id}", batch_page),
-        Route("/batches/{batch_id}/tasks", tasks_page),
-        Route("/batches/{batch_id}/tasks/{task_key:path}", task_page),
-        Route("/batches/{batch_id}/export.{fmt}", export),
-        Route("/batches/{batch_id}/requeue", requeue, methods=["POST"]),
-        Route("/batches/{batch_id}/cancel", cancel, methods=["POST"]),
+        # Batch ids hold slashes (a BatchRun's is namespace/name/uid, and the server sees
+        # %2F decoded): each id is a path, the more specific routes first.
+        Route("/batches/{batch_id:path}/tasks/{task_key:path}", task_page),
+        Route("/batches/{batch_id:path}/tasks", tasks_page),
+        Route("/batches/{batch_id:path}/export.{fmt}", export),
+        Route("/batches/{batch_id:path}/requeue", requeue, methods=["POST"]),
+        Route("/batches/{batch_id:path}/cancel", cancel, methods=["POST"]),
+        Route("/batches/{batch_id:path}/budget", budget, methods=["POST"]),
+        Route("/batches/{batch_id:path}", batch_page),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="console-static"),
     ]),
 ]
