@@ -28,8 +28,8 @@ TEMPLATE_DB = "jobrunner_test_template"
 # Tests of binaries that `make test` builds in the background while the suite runs
 # (hack/test-suite.sh; the cluster's binaries come first, these after): they run last, so
 # that they find their binary built instead of holding a pytest worker while it builds.
-RUN_LAST = frozenset({"test_alerts.py", "test_chart_api_static.py", "test_tracing.py",
-                      "test_kueue_e2e.py"})
+RUN_LAST = frozenset({"test_alerts.py", "test_chart_api_static.py", "test_dashboard.py",
+                      "test_tracing.py", "test_kueue_e2e.py"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -59,8 +59,10 @@ def test_the_dashboard_has_its_rows_and_queries():
             assert "task_key" not in q.expr and "task_id" not in q.expr
 
 
-@pytest.mark.skipif(not os.access(PROMTOOL, os.X_OK), reason="promtool is not built: make e2e-bins")
+@pytest.mark.skipif(not os.access(PROMTOOL, os.X_OK) and not build.go_available(),
+                    reason="promtool is not built and go is missing: make e2e-bins")
 def test_every_panel_query_parses(tmp_path):
+    build.ensure("prometheus")  # (`make test` builds it in the background: wait for it)
     # promtool checks each filled-in query as a recording rule: PromQL syntax, fast, and
     # without a run (the run below says whether each returns data)
     rules = [{"record": f"dashboard:panel{i}_{q.ref}",
@@ -75,8 +77,10 @@ def test_every_panel_query_parses(tmp_path):
     assert f"SUCCESS: {len(rules)} rules found" in done.stdout
 
 
-@pytest.mark.skipif(not os.access(HELM, os.X_OK), reason="helm is not built: make e2e-bins")
+@pytest.mark.skipif(not os.access(HELM, os.X_OK) and not build.go_available(),
+                    reason="helm is not built and go is missing: make e2e-bins")
 def test_the_chart_ships_the_dashboard_for_the_grafana_sidecar():
+    build.ensure("helm")
     out = subprocess.run([str(HELM), "template", "t", "charts/jobrunner",
                           "--set", "metrics.grafanaDashboard.enabled=true"],
                          capture_output=True, text=True, cwd=REPO, timeout=120, check=True).stdout
@@ -110,7 +114,7 @@ def _has_data(answer: list[dict]) -> bool:
     return any(series["values"] for series in answer)
 
 
-@pytest.mark.skipif(prometheus_support.binary() is None,
+@pytest.mark.skipif(not prometheus_support.available(),
                     reason="prometheus is not built: run `make e2e-bins`")
 def test_every_panel_returns_data_from_a_real_run(dsn, conn, tmp_path):
     queue = Queue(conn)
@@ -209,8 +213,10 @@ def test_every_panel_returns_data_from_a_real_run(dsn, conn, tmp_path):
             dashboard.render(answers, Path(target), board)
 
 
-@pytest.mark.skipif(not os.access(HELM, os.X_OK), reason="helm is not built: make e2e-bins")
+@pytest.mark.skipif(not os.access(HELM, os.X_OK) and not build.go_available(),
+                    reason="helm is not built and go is missing: make e2e-bins")
 def test_the_chart_scrapes_the_workers_as_the_dashboard_expects():
+    build.ensure("helm")
     out = subprocess.run([str(HELM), "template", "t", "charts/jobrunner",
                           "--set", "metrics.podMonitor.enabled=true",
                           "--set", "worker.metricsPort=9090"],

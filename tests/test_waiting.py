@@ -26,6 +26,8 @@ import pytest
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
+from jobrunner.store import console as console_store
+from jobrunner.store import flowcontrol as limits
 from tests.support import pgbouncer
 from tests.support.figures import show
 from tests.support.processes import child_env, start_worker, wait_for
@@ -239,11 +241,11 @@ def test_the_leader_hands_over_at_once_when_it_stops(dsn, conn, tmp_path):
 
 
 def test_a_task_given_back_wakes_a_waiting_worker(dsn, conn, tmp_path, capsys):
-    # The first worker claims both tasks (claim batch 2, in key order) and runs the first for 12 s; the
-    # second waits, nothing left to claim. SIGTERM to the first: it gives back the task it
-    # had not started (task_release) and finishes the running one. The waiting worker's
-    # next fallback poll is 30-90 s away (idle_fallback): only the release's note can
-    # start the given-back task within seconds.
+    # The first worker claims both tasks (claim batch 2, in key order) and runs the first
+    # for 12 s; the second waits, nothing left to claim. SIGTERM to the first: it gives
+    # back the task it had not started (task_release) at once, then finishes the running
+    # one. The waiting worker's next fallback poll is 30-90 s away (idle_fallback): only
+    # the release's note can start the given-back task within seconds.
     Queue(conn).enqueue("b", "acme", [TaskSpec("a-running", {"sleep": 12}),
                                       TaskSpec("b-given-back", {})])
     first = start_worker(dsn, "b", HANDLER, "--batch-size", "2", log=tmp_path / "first.log")
@@ -272,4 +274,36 @@ def test_a_task_given_back_wakes_a_waiting_worker(dsn, conn, tmp_path, capsys):
     assert f"-{waiting.pid}-" in row["worker"]
     # SIGTERM -> release -> note -> claim: well under a second here; 5 s leaves room for
     # a loaded CI machine and is still far below the 30 s the fallback poll waits at least.
+    assert 0 < delay <= 5.0
+
+
+def test_resuming_a_paused_limit_wakes_the_waiting_workers(dsn, conn, tmp_path, capsys):
+    # The batch's one task names a paused limit: the worker claims nothing and sleeps
+    # until a note (its fallback poll is 30-90 s away: idle_fallback). The console's
+    # resume (limit_resume) must wake it.
+    limits.set_limit(conn, "llm", requests=100, per=1)
+    console_store.pause_limit(conn, "llm")
+    conn.commit()
+    Queue(conn).enqueue("b", "acme", [TaskSpec("limited", {}, limits=("llm",))])
+    worker = start_worker(dsn, "b", HANDLER, log=tmp_path / "w.log")
+    try:
+        wait_for(lambda: _one(conn, "SELECT count(*) AS n FROM pg_stat_activity WHERE "
+                              "application_name = %s",
+                              f"jobrunner-notifier {worker.pid}")["n"] == 1,
+                 what="the worker's notifier")
+        time.sleep(3.0)  # past its start, when it polls fast until its notifier is up
+        assert _executions(conn, "limited") == 0
+        resumed = _one(conn, "SELECT clock_timestamp() AS t")["t"]
+        assert console_store.resume_limit(conn, "llm")
+        conn.commit()
+        wait_for(lambda: _executions(conn, "limited") == 1, timeout=30, interval=0.02,
+                 what="the limited task")
+        started = _one(conn, "SELECT started_at FROM exec_log WHERE task_key = 'limited'"
+                       )["started_at"]
+    finally:
+        _stop(worker)
+    delay = (started - resumed).total_seconds()
+    show(capsys, f"a limit resumed: its waiting task started {delay * 1000:.0f} ms later")
+    # a note and a claim: well under a second; 5 s for a loaded CI machine, far below the
+    # 30 s the fallback poll waits at least
     assert 0 < delay <= 5.0

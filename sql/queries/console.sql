@@ -101,11 +101,29 @@ WHERE name = %(name)s
 RETURNING name, blocked_until;
 
 -- name: limit_resume
--- Resume a limit: end its pause or block now.
-UPDATE agent_limit
-SET blocked_until = NULL, updated_at = now()
-WHERE name = %(name)s
-RETURNING name;
+-- Resume a limit: end its pause or block now, and wake the workers that may claim again.
+--
+-- Workers that found only tasks of a paused limit sleep until a note (their fallback
+-- poll is a minute away): the note goes to every batch under flow control that has a
+-- pending task (one probe of the pending index per such batch), and to their pools.
+WITH resumed AS (
+    UPDATE agent_limit
+    SET blocked_until = NULL, updated_at = now()
+    WHERE name = %(name)s
+    RETURNING name
+),
+waiting AS MATERIALIZED (
+    SELECT b.batch_id, b.pool FROM agent_batch b
+    WHERE b.flow_control AND b.cancelled_at IS NULL
+      AND EXISTS (SELECT 1 FROM agent_work_queue q
+                  WHERE q.batch_id = b.batch_id AND q.status = 'pending')
+      AND EXISTS (SELECT 1 FROM resumed)
+)
+SELECT r.name,
+       (SELECT count(pg_notify('jobrunner_queue', w.batch_id)) FROM waiting w)
+       + (SELECT count(pg_notify('jobrunner_pool', p.pool))
+          FROM (SELECT DISTINCT pool FROM waiting WHERE pool IS NOT NULL) p) AS woken
+FROM resumed r;
 
 -- name: console_api_batches
 -- The Batch API's newest batches (of one tenant, or of every tenant), at most %(limit)s.

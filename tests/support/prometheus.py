@@ -23,10 +23,22 @@ from jobrunner.local.embedded import free_port
 from tests.e2e.harness import build
 
 
+def path() -> Path:
+    return build.PROMETHEUS.dir() / "bin" / "prometheus"
+
+
+def available() -> bool:
+    """Built, or buildable here (a cheap check for collection time)."""
+    return os.access(path(), os.X_OK) or build.go_available()
+
+
 def binary() -> Path | None:
-    """The cached prometheus binary, or None (`make e2e-bins` builds it)."""
-    path = build.PROMETHEUS.dir() / "bin" / "prometheus"
-    return path if os.access(path, os.X_OK) else None
+    """The prometheus binary, built first if it is missing (`make test` builds it in the
+    background while the suite runs: this waits for that build), or None without Go."""
+    if not available():
+        return None
+    build.ensure("prometheus")
+    return path()
 
 
 class Prometheus:

@@ -104,8 +104,8 @@ def require_operator(who: Viewer) -> None:
 def set_limit_paused(conn: psycopg.Connection, who: Viewer, name: str, paused: bool
                      ) -> None:
     """Pause a limit (no task naming it is claimed until it is resumed) or resume it.
-    Workers waiting on it claim again at their next look (the idle poll): no notification
-    names the batches whose tasks name a limit."""
+    A resume wakes the workers of every batch under flow control with pending tasks
+    (limit_resume, sql/queries/console.sql): their next poll could be a minute away."""
     require_operator(who)
     try:
         with conn.transaction():
