@@ -68,6 +68,12 @@ def _executions(conn, key: str) -> int:
     return _one(conn, "SELECT count(*) AS n FROM exec_log WHERE task_key = %s", key)["n"]
 
 
+def _wait_for_notifier(conn, worker) -> None:
+    wait_for(lambda: _one(conn, "SELECT count(*) AS n FROM pg_stat_activity WHERE "
+                          "application_name = %s", f"jobrunner-notifier {worker.pid}")["n"] == 1,
+             what=f"the notifier of worker {worker.pid}")
+
+
 def _stop(*workers) -> None:
     for worker in workers:
         if worker.poll() is None:
@@ -254,10 +260,7 @@ def test_a_task_given_back_wakes_a_waiting_worker(dsn, conn, tmp_path, capsys):
         wait_for(lambda: _executions(conn, "a-running") == 1, what="the first task to start")
         assert Queue(conn).counts("b")["leased"] == 2
         waiting = start_worker(dsn, "b", HANDLER, log=tmp_path / "waiting.log")
-        wait_for(lambda: _one(conn, "SELECT count(*) AS n FROM pg_stat_activity WHERE "
-                              "application_name = %s",
-                              f"jobrunner-notifier {waiting.pid}")["n"] == 1,
-                 what="the waiting worker's notifier")
+        _wait_for_notifier(conn, waiting)
         time.sleep(2.5)  # past its start, when it polls fast until its notifier is up
         assert _executions(conn, "b-given-back") == 0
         stopped = _one(conn, "SELECT clock_timestamp() AS t")["t"]
@@ -287,10 +290,7 @@ def test_resuming_a_paused_limit_wakes_the_waiting_workers(dsn, conn, tmp_path, 
     Queue(conn).enqueue("b", "acme", [TaskSpec("limited", {}, limits=("llm",))])
     worker = start_worker(dsn, "b", HANDLER, log=tmp_path / "w.log")
     try:
-        wait_for(lambda: _one(conn, "SELECT count(*) AS n FROM pg_stat_activity WHERE "
-                              "application_name = %s",
-                              f"jobrunner-notifier {worker.pid}")["n"] == 1,
-                 what="the worker's notifier")
+        _wait_for_notifier(conn, worker)
         time.sleep(3.0)  # past its start, when it polls fast until its notifier is up
         assert _executions(conn, "limited") == 0
         resumed = _one(conn, "SELECT clock_timestamp() AS t")["t"]

@@ -99,17 +99,6 @@ LIMITS = LimitCollector()
 REGISTRY.register(LIMITS)
 
 
-def _resources(limit: LimitStatus) -> Sequence[tuple[str, float, float]]:
-    out: list[tuple[str, float, float]] = []
-    if limit.requests is not None:
-        out.append(("requests", limit.requests_used or 0.0, float(limit.requests)))
-    if limit.tokens is not None:
-        out.append(("tokens", limit.tokens_used or 0.0, float(limit.tokens)))
-    if limit.max_concurrent is not None:
-        out.append(("concurrency", float(limit.in_flight), float(limit.max_concurrent)))
-    return out
-
-
 # A reduce step in one of these states will not change by itself any more.
 _REDUCE_FINAL = ("none", "done", "failed", "skipped", "cancelled")
 

@@ -11,10 +11,7 @@ its own (several pytest workers each run one).
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +19,7 @@ import httpx
 
 from jobrunner.local.embedded import free_port
 from tests.e2e.harness import build
+from tests.support.processes import ServerProcess
 
 CONFIG = """\
 service:
@@ -60,29 +58,20 @@ exporters:
 """
 
 
-def path() -> Path:
-    return build.JAEGER.dir() / "bin" / "jaeger"
-
-
 def available() -> bool:
-    """Built, or buildable here (a cheap check for collection time)."""
-    return os.access(path(), os.X_OK) or build.go_available()
+    return build.can_have("jaeger", "jaeger")
 
 
 def binary() -> Path | None:
-    """The jaeger binary, built first if it is missing (`make test` builds it in the
-    background while the suite runs: this waits for that build), or None without Go."""
-    if not available():
-        return None
-    build.ensure("jaeger")
-    return path()
+    return build.binary("jaeger", "jaeger")
 
 
-class Jaeger:
+class Jaeger(ServerProcess):
+    name = "jaeger"
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.query, self.query_grpc, self.otlp = free_port(), free_port(), free_port()
-        self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Jaeger:
         exe = binary()
@@ -91,25 +80,8 @@ class Jaeger:
         config = self.root / "jaeger.yaml"
         config.write_text(CONFIG.format(query=self.query, query_grpc=self.query_grpc,
                                         otlp=self.otlp))
-        self.log = self.root / "jaeger.log"
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([str(exe), "--config", f"file:{config}"],
-                                         stdout=out, stderr=out, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while not self._ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("jaeger did not start:\n" + self.log.read_text()[-3000:])
-            time.sleep(0.2)
+        self._launch([str(exe), "--config", f"file:{config}"])
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
     def _ready(self) -> bool:
         try:

@@ -56,3 +56,35 @@ def wait_for(predicate, timeout: float = 60, interval: float = 0.1, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+class ServerProcess:
+    """A server binary a test talks to (Jaeger, Prometheus): started with its log in
+    `root`, waited for until `_ready()`, stopped when the `with` block ends."""
+
+    name = "server"
+    root: Path
+    proc: subprocess.Popen | None = None
+
+    def _launch(self, args: list[str]) -> None:
+        self.log = self.root / f"{self.name}.log"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=out, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not self._ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not start:\n"
+                                   + self.log.read_text()[-3000:])
+            time.sleep(0.2)
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)

@@ -9,9 +9,6 @@ docs/observability/render.py).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,29 +18,22 @@ import yaml
 
 from jobrunner.local.embedded import free_port
 from tests.e2e.harness import build
-
-
-def path() -> Path:
-    return build.PROMETHEUS.dir() / "bin" / "prometheus"
+from tests.support.processes import ServerProcess
 
 
 def available() -> bool:
-    """Built, or buildable here (a cheap check for collection time)."""
-    return os.access(path(), os.X_OK) or build.go_available()
+    return build.can_have("prometheus", "prometheus")
 
 
 def binary() -> Path | None:
-    """The prometheus binary, built first if it is missing (`make test` builds it in the
-    background while the suite runs: this waits for that build), or None without Go."""
-    if not available():
-        return None
-    build.ensure("prometheus")
-    return path()
+    return build.binary("prometheus", "prometheus")
 
 
-class Prometheus:
+class Prometheus(ServerProcess):
     """`targets`: the jobrunner_component label (as the chart's monitors set it) -> the
     ports of its processes on 127.0.0.1. Scraped every `interval` seconds."""
+
+    name = "prometheus"
 
     def __init__(self, root: Path, targets: Mapping[str, Sequence[int]],
                  interval: float = 1.0) -> None:
@@ -51,7 +41,6 @@ class Prometheus:
         self.targets = targets
         self.interval = interval
         self.port = free_port()
-        self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> Prometheus:
@@ -70,27 +59,10 @@ class Prometheus:
         }
         path = self.root / "prometheus.yml"
         path.write_text(yaml.safe_dump(config))
-        self.log = self.root / "prometheus.log"
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [str(exe), f"--config.file={path}", f"--storage.tsdb.path={self.root / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}"],
-                stdout=out, stderr=out, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while not self._ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("prometheus did not start:\n" + self.log.read_text()[-3000:])
-            time.sleep(0.2)
+        self._launch([str(exe), f"--config.file={path}",
+                      f"--storage.tsdb.path={self.root / 'tsdb'}",
+                      f"--web.listen-address=127.0.0.1:{self.port}"])
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
     def _ready(self) -> bool:
         try:

@@ -469,6 +469,27 @@ def _part_ready(part: str) -> bool:
     return _complete(m.dir(), names) and (not m.assets or m.assets_dir().is_dir())
 
 
+def part_binary(part: str, name: str) -> Path:
+    """Where the part's binary `name` lands (built or not)."""
+    names, _ = PARTS[part]
+    assert name in names, (part, name)
+    return bin_dir() / name
+
+
+def can_have(part: str, name: str) -> bool:
+    """Built, or buildable here: a cheap check for a test's collection time."""
+    return os.access(part_binary(part, name), os.X_OK) or go_available()
+
+
+def binary(part: str, name: str) -> Path | None:
+    """The binary, built first if it is missing (`make test` builds it in the background
+    while the suite runs: this waits for that build), or None without Go to build it."""
+    if not can_have(part, name):
+        return None
+    ensure(part)
+    return part_binary(part, name)
+
+
 def ensure_cluster(force: bool = False) -> Path:
     """What a cluster needs (control plane, node, image builder, helm)."""
     for part in CLUSTER_PARTS:
