@@ -445,7 +445,10 @@ class Queue:
         return released
 
     def expire(self, limit: int = 1000) -> list[dict[str, Any]]:
-        """Return expired leases to pending (or dead); any worker may call this."""
+        """Return expired leases to pending (or dead); any worker may call this. A cheap
+        look first: a sweep almost always finds nothing (task_expired_any)."""
+        if not task_store.expired_any(self.session):
+            return []
         return task_store.expire(self.session, limit)
 
     # -- batch administration ------------------------------------------------------

@@ -27,6 +27,7 @@ THROTTLE = Statement("task_throttle", Mode.ROUND_TRIP)
 END_MISSING_EFFECTS = Statement("task_end_missing_effects", Mode.ROUND_TRIP)
 HEARTBEAT = Statement("task_heartbeat", Mode.ROUND_TRIP)
 EXPIRE = Statement("task_expire", Mode.ROUND_TRIP)
+EXPIRED_ANY = Statement("task_expired_any", Mode.ROUND_TRIP)
 RETRY_NOTIFY = Statement("task_retry_notify")
 RELEASE = Statement("task_release")
 REQUEUE_DEAD = Statement("task_requeue_dead")
@@ -99,6 +100,12 @@ def heartbeat(session: Session, params: Mapping[str, Any]) -> set[int]:
     return {r[0] for r in cur.fetchall()}
 
 
+def expired_any(session: Session) -> bool:
+    """Whether a lease has expired (task_expired_any)."""
+    (cur,) = session.round_trip([(EXPIRED_ANY, {})], dict_row)
+    return bool(cur.fetchone()["expired"])
+
+
 def expire(session: Session, limit: int) -> list[dict[str, Any]]:
     (cur,) = session.round_trip([(EXPIRE, {"limit": limit})], dict_row)
     return cur.fetchall()
@@ -147,27 +154,35 @@ def stats(conn: psycopg.Connection, batch_id: str, reserved_keys: Iterable[str]
                ).fetchone()
 
 
+def refine(shard: str | None = None, min_attempts: int | None = None,
+           error: str | None = None) -> dict[str, Any]:
+    """The browser's narrower filters, as the page and dead-matching statements take
+    them (None: not filtered): a shard key, at least this many attempts, and text the
+    last error contains (any case)."""
+    return {"shard": shard, "min_attempts": min_attempts, "error": error}
+
+
 def page(conn: psycopg.Connection, batch_id: str, *, after: str, prefix: str,
-         status: str | None, contains: str | None, limit: int, scan: int
-         ) -> list[dict[str, Any]]:
+         status: str | None, contains: str | None, limit: int, scan: int,
+         narrow: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Up to `limit` tasks of the batch in key order after `after`, reading at most
     `scan` keys; every row (and the single row of an empty page, whose task columns are
     None) carries `scanned` and `last_key`, how far the scan went. `contains`: JSON
     text the payload must contain, or None."""
     return run(conn, PAGE, {"batch_id": batch_id, "after": after, "prefix": prefix,
                             "status": status, "contains": contains, "limit": limit,
-                            "scan": scan}).fetchall()
+                            "scan": scan, **(narrow or refine())}).fetchall()
 
 
 def page_failed(conn: psycopg.Connection, batch_id: str, *, status: str, after_id: int,
-                prefix: str, contains: str | None, limit: int, scan: int
-                ) -> list[dict[str, Any]]:
+                prefix: str, contains: str | None, limit: int, scan: int,
+                narrow: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """As `page`, for the batch's dead or cancelled tasks in id order (`scanned`,
     `last_id`), from the index of failed rows only."""
     return run(conn, PAGE_FAILED, {"batch_id": batch_id, "status": status,
                                    "after_id": after_id, "prefix": prefix,
-                                   "contains": contains, "limit": limit, "scan": scan}
-               ).fetchall()
+                                   "contains": contains, "limit": limit, "scan": scan,
+                                   **(narrow or refine())}).fetchall()
 
 
 def get_by_key(conn: psycopg.Connection, batch_id: str, task_key: str
@@ -176,18 +191,20 @@ def get_by_key(conn: psycopg.Connection, batch_id: str, task_key: str
 
 
 def count_dead_matching(conn: psycopg.Connection, batch_id: str, *, task_key: str | None,
-                        prefix: str, contains: str | None, cap: int) -> int:
+                        prefix: str, contains: str | None, cap: int,
+                        narrow: dict[str, Any] | None = None) -> int:
     return int(run(conn, COUNT_DEAD_MATCHING, {
         "batch_id": batch_id, "task_key": task_key, "prefix": prefix, "contains": contains,
-        "cap": cap}).fetchone()["n"])
+        "cap": cap, **(narrow or refine())}).fetchone()["n"])
 
 
 def requeue_dead_matching(conn: psycopg.Connection, batch_id: str, *, task_key: str | None,
-                          prefix: str, contains: str | None, cap: int) -> int:
+                          prefix: str, contains: str | None, cap: int,
+                          narrow: dict[str, Any] | None = None) -> int:
     """In the caller's transaction: at most `cap` matching dead tasks back to pending."""
     return len(run(conn, REQUEUE_DEAD_MATCHING, {
         "batch_id": batch_id, "task_key": task_key, "prefix": prefix, "contains": contains,
-        "cap": cap}).fetchall())
+        "cap": cap, **(narrow or refine())}).fetchall())
 
 
 def list_dead_recent(conn: psycopg.Connection, tenant_id: str | None, limit: int

@@ -38,13 +38,11 @@ class WorkerConfig:
     # transaction pooler without a direct listen DSN).
     idle_poll: tuple[float, float] = (0.2, 0.5)
     # With a connected notifier a waiting worker sleeps until a note, a known retry time
-    # or a limit's room; this slow poll only covers notes that were lost. A connected
-    # listener loses none (PostgreSQL delivers every committed note to it; a reconnect
-    # wakes every worker), and every transition that makes a task claimable sends one
-    # (enqueue, retry time, rescue, release, requeue): so a minute, on average. Each poll
-    # is a claim planned afresh through PgBouncer, the largest part of what a waiting
-    # worker costs the server (bench/results/idle-fleet.md).
-    idle_fallback: tuple[float, float] = (30.0, 90.0)
+    # or a limit's room; this slow poll covers notes that were lost, and the one
+    # transition no note announces: an ack that frees a shard whose next task waits (a
+    # note per ack would cost every task a NOTIFY). So it stays seconds, not a minute: at
+    # 30-90 s the chaos soak, whose shards are busy, ran 10 minutes instead of seconds.
+    idle_fallback: tuple[float, float] = (5.0, 15.0)
     # For this long after a claim that got tasks, an idle worker still polls at idle_poll:
     # work that no note announces (a shard an ack released, rows a concurrent claim held
     # locked for an instant) is found as quickly as before.

@@ -524,6 +524,15 @@ slots_freed AS (
 )
 SELECT id FROM released_tasks;
 
+-- name: task_expired_any
+-- Whether any lease has expired: the sweep's cheap first look (task_expire only when so).
+--
+-- A sweep almost always finds nothing, and most of its cost was planning task_expire
+-- (a fleet behind PgBouncer plans every statement afresh): this one is planned in a
+-- fraction of that and reads the same leased rows.
+SELECT EXISTS (SELECT 1 FROM agent_work_queue
+               WHERE status = 'leased' AND locked_until < now()) AS expired;
+
 -- name: task_expire
 -- Return expired leases to pending, or dead when their attempts are used up.
 --
@@ -866,7 +875,7 @@ WHERE k.batch_id = %(batch_id)s  -- (the batch's rows by key)
 -- a JSON containment (`payload @> %(contains)s`), always a bound parameter.
 
 -- name: task_page
--- A page of a batch's tasks in key order after %(after)s: status, key prefix and payload filters, at most %(scan)s keys read.
+-- A page of a batch's tasks in key order after %(after)s: status, key prefix, payload, shard, attempts and error filters, at most %(scan)s keys read.
 --
 -- The batch's keys come from agent_task_key's primary key (batch_id, task_key) in order,
 -- starting at the prefix; each key's task is then read by id, until the page is full.
@@ -885,17 +894,24 @@ LEFT JOIN LATERAL (
     SELECT q.id, s.task_key, q.status::text AS status, q.attempts, q.max_attempts,
            q.shard_key, left(q.payload::text, 160) AS payload_preview,
            left(q.last_error, 160) AS error_preview, q.updated_at, q.finished_at
-    FROM scanned s JOIN agent_work_queue q ON q.id = s.task_id
+    -- (each key's task by its primary key, never a join the planner may turn into a
+    -- scan of the whole table when the filters look selective: OFFSET 0 keeps the probe)
+    FROM scanned s
+    CROSS JOIN LATERAL (SELECT * FROM agent_work_queue q1 WHERE q1.id = s.task_id
+                        OFFSET 0) q
     WHERE (%(status)s::text IS NULL OR q.status = %(status)s)
       AND starts_with(s.task_key, %(prefix)s)
       AND (%(contains)s::jsonb IS NULL OR q.payload @> %(contains)s::jsonb)
+      AND (%(shard)s::text IS NULL OR q.shard_key = %(shard)s)
+      AND (%(min_attempts)s::int IS NULL OR q.attempts >= %(min_attempts)s)
+      AND (%(error)s::text IS NULL OR strpos(lower(q.last_error), lower(%(error)s)) > 0)
     ORDER BY s.task_key
     LIMIT %(limit)s
 ) m ON true
 ORDER BY m.task_key;
 
 -- name: task_page_failed
--- A page of a batch's dead (or cancelled) tasks in id order after %(after_id)s, key prefix and payload filters, at most %(scan)s read.
+-- A page of a batch's dead (or cancelled) tasks in id order after %(after_id)s, key prefix, payload, shard, attempts and error filters, at most %(scan)s read.
 --
 -- From the partial index of dead and cancelled rows (batch_id, status, id): only the
 -- failed rows are read, however many tasks the batch has done. (The literal IN names the
@@ -917,6 +933,9 @@ LEFT JOIN LATERAL (
     FROM scanned s JOIN agent_work_queue q ON q.id = s.id
     WHERE starts_with(q.task_key, %(prefix)s)
       AND (%(contains)s::jsonb IS NULL OR q.payload @> %(contains)s::jsonb)
+      AND (%(shard)s::text IS NULL OR q.shard_key = %(shard)s)
+      AND (%(min_attempts)s::int IS NULL OR q.attempts >= %(min_attempts)s)
+      AND (%(error)s::text IS NULL OR strpos(lower(q.last_error), lower(%(error)s)) > 0)
     ORDER BY q.id
     LIMIT %(limit)s
 ) m ON true
@@ -932,13 +951,16 @@ FROM agent_task_key k JOIN agent_work_queue q ON q.id = k.task_id
 WHERE k.batch_id = %(batch_id)s AND k.task_key = %(task_key)s;
 
 -- name: task_count_dead_matching
--- How many of a batch's dead tasks match the filter (one key, a key prefix, a payload containment), counted up to %(cap)s.
+-- How many of a batch's dead tasks match the filter (one key, a key prefix, a payload containment, a shard, at least some attempts, error text), counted up to %(cap)s.
 SELECT count(*) AS n FROM (
     SELECT 1 FROM agent_work_queue q
     WHERE q.batch_id = %(batch_id)s AND q.status = 'dead'
       AND (%(task_key)s::text IS NULL OR q.task_key = %(task_key)s)
       AND starts_with(q.task_key, %(prefix)s)
       AND (%(contains)s::jsonb IS NULL OR q.payload @> %(contains)s::jsonb)
+      AND (%(shard)s::text IS NULL OR q.shard_key = %(shard)s)
+      AND (%(min_attempts)s::int IS NULL OR q.attempts >= %(min_attempts)s)
+      AND (%(error)s::text IS NULL OR strpos(lower(q.last_error), lower(%(error)s)) > 0)
     LIMIT %(cap)s) x;
 
 -- name: task_requeue_dead_matching
@@ -949,6 +971,9 @@ WITH chosen AS (
       AND (%(task_key)s::text IS NULL OR q.task_key = %(task_key)s)
       AND starts_with(q.task_key, %(prefix)s)
       AND (%(contains)s::jsonb IS NULL OR q.payload @> %(contains)s::jsonb)
+      AND (%(shard)s::text IS NULL OR q.shard_key = %(shard)s)
+      AND (%(min_attempts)s::int IS NULL OR q.attempts >= %(min_attempts)s)
+      AND (%(error)s::text IS NULL OR strpos(lower(q.last_error), lower(%(error)s)) > 0)
     ORDER BY q.id
     LIMIT %(cap)s
     FOR UPDATE

@@ -53,7 +53,8 @@ def count_dead(conn: psycopg.Connection, who: Viewer, batch_id: str, target: Tar
         _batch(conn, batch_id, who)
         return tasks.count_dead_matching(
             conn, batch_id, task_key=target.task_key, prefix=target.filt.prefix,
-            contains=target.filt.contains_json(), cap=BULK_CAP + 1)
+            contains=target.filt.contains_json(), cap=BULK_CAP + 1,
+            narrow=target.filt.narrow())
 
 
 def requeue_dead(conn: psycopg.Connection, who: Viewer, batch_id: str, target: Target,
@@ -65,13 +66,13 @@ def requeue_dead(conn: psycopg.Connection, who: Viewer, batch_id: str, target: T
         row = _batch(conn, batch_id, who)
         now = tasks.count_dead_matching(conn, batch_id, task_key=target.task_key,
                                         prefix=target.filt.prefix, contains=contains,
-                                        cap=BULK_CAP + 1)
+                                        cap=BULK_CAP + 1, narrow=target.filt.narrow())
         if now != expected:
             raise ConsoleError(409, f"The count changed: {now} dead tasks match now, "
                                f"{expected} were confirmed. Nothing was requeued.")
         moved = tasks.requeue_dead_matching(conn, batch_id, task_key=target.task_key,
                                             prefix=target.filt.prefix, contains=contains,
-                                            cap=BULK_CAP)
+                                            cap=BULK_CAP, narrow=target.filt.narrow())
         audit.record(conn, key_id=who.key_id, tenant_id=who.tenant_id,
                      action="requeue_dead", batch_id=batch_id, detail=target.detail(),
                      rows=moved)

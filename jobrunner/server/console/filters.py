@@ -1,5 +1,6 @@
-"""The task browser's filter: a state, a key prefix and payload fields, read from the
-page's query string and handed to the store as bound parameters only.
+"""The task browser's filter: a state, a key prefix, payload fields, a shard key, a least
+number of attempts and text of the last error, read from the page's query string and
+handed to the store as bound parameters only.
 
 A payload filter is `payload.<field>[.<field>...] = <value>`, several joined by `and`
 (`payload.doc = "csv" and payload.lang = en`). The value is JSON (`"csv"`, `3`, `true`,
@@ -60,23 +61,44 @@ def parse_payload(text: str) -> dict[str, Any] | None:
     return document
 
 
+def _text(params: Any, name: str, what: str) -> str:
+    value = params.get(name) or ""
+    if len(value) > MAX_FILTER_CHARS or "\x00" in value:
+        raise FilterError(f"the {what} is too long or holds a NUL byte")
+    return value
+
+
 @dataclass(frozen=True)
 class TaskFilter:
     state: str | None = None
     prefix: str = ""
     payload: str = ""
+    shard: str = ""  # exactly this shard key
+    attempts: int | None = None  # at least this many attempts
+    error: str = ""  # text the last error contains, in any case
 
     @classmethod
     def from_params(cls, params: Any) -> TaskFilter:
         state = (params.get("state") or "").strip() or None
         if state is not None and state not in STATES:
             raise FilterError(f"unknown state {state!r}: one of {', '.join(STATES)}")
-        prefix = params.get("prefix") or ""
-        if len(prefix) > MAX_FILTER_CHARS or "\x00" in prefix:
-            raise FilterError("the key prefix is too long or holds a NUL byte")
-        found = cls(state, prefix, (params.get("payload") or "").strip())
+        attempts_text = (params.get("attempts") or "").strip()
+        attempts = None
+        if attempts_text:
+            if not attempts_text.isdigit() or int(attempts_text) > 1_000_000:
+                raise FilterError(f"attempts must be a whole number from 0, got "
+                                  f"{attempts_text[:40]!r}")
+            attempts = int(attempts_text)
+        found = cls(state, _text(params, "prefix", "key prefix"),
+                    (params.get("payload") or "").strip(), _text(params, "shard", "shard key"),
+                    attempts, _text(params, "error", "error text").strip())
         found.contains()  # (a bad payload filter is refused here, once)
         return found
+
+    def narrow(self) -> dict[str, Any]:
+        """The shard, attempts and error filters as the store's statements take them."""
+        return {"shard": self.shard or None, "min_attempts": self.attempts,
+                "error": self.error or None}
 
     def contains(self) -> dict[str, Any] | None:
         return parse_payload(self.payload)
@@ -86,7 +108,9 @@ class TaskFilter:
         return json.dumps(document) if document is not None else None
 
     def params(self, **extra: Any) -> dict[str, str]:
-        found = {"state": self.state or "", "prefix": self.prefix, "payload": self.payload}
+        found = {"state": self.state or "", "prefix": self.prefix, "payload": self.payload,
+                 "shard": self.shard, "error": self.error,
+                 "attempts": "" if self.attempts is None else str(self.attempts)}
         found.update({k: str(v) for k, v in extra.items() if v is not None})
         return {k: v for k, v in found.items() if v}
 
@@ -99,4 +123,10 @@ class TaskFilter:
             parts.append(f"key starts with {self.prefix!r}")
         if self.payload:
             parts.append(self.payload)
+        if self.shard:
+            parts.append(f"shard = {self.shard!r}")
+        if self.attempts is not None:
+            parts.append(f"at least {self.attempts} attempts")
+        if self.error:
+            parts.append(f"error contains {self.error!r}")
         return "; ".join(parts) or "every task"

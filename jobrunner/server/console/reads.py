@@ -157,12 +157,12 @@ def task_page(conn: psycopg.Connection, batch_id: str, filt: TaskFilter, after: 
             after_id = int(after) if after.isdigit() else 0
             found = tasks.page_failed(conn, batch_id, status=filt.state, after_id=after_id,
                                       prefix=filt.prefix, contains=contains,
-                                      limit=TASK_PAGE, scan=SCAN_BUDGET)
+                                      limit=TASK_PAGE, scan=SCAN_BUDGET, narrow=filt.narrow())
             last = found[0]["last_id"] if found else None
         else:
             found = tasks.page(conn, batch_id, after=after, prefix=filt.prefix,
                                status=filt.state, contains=contains, limit=TASK_PAGE,
-                               scan=SCAN_BUDGET)
+                               scan=SCAN_BUDGET, narrow=filt.narrow())
             last = found[0]["last_key"] if found else None
     scanned = int(found[0]["scanned"]) if found else 0
     rows = [r for r in found if r["id"] is not None]

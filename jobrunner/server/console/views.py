@@ -207,7 +207,8 @@ def tasks_page(request: Request) -> Response:
         page = reads.task_page(conn, batch_id, filt, after) if problem is None else None
     raw = request.query_params
     return render("tasks.html", who=who, b=view, filt=filt, page=page, problem=problem,
-                  typed={k: raw.get(k, "") for k in ("state", "prefix", "payload")},
+                  typed={k: raw.get(k, "") for k in ("state", "prefix", "payload", "shard",
+                                                     "attempts", "error")},
                   after=after, scan=reads.SCAN_BUDGET)
 
 
@@ -410,7 +411,8 @@ async def requeue(request: Request) -> Response:
     who, form = await _action_viewer(request)
     batch_id = request.path_params["batch_id"]
     try:
-        filt = TaskFilter.from_params({k: form.get(k) for k in ("prefix", "payload")}
+        filt = TaskFilter.from_params({k: form.get(k) for k in ("prefix", "payload", "shard",
+                                                                "attempts", "error")}
                                       | {"state": "dead"})
     except FilterError as exc:
         raise ConsoleError(400, str(exc)) from None
