@@ -16,13 +16,14 @@ import pytest
 import yaml
 
 from tests.e2e.harness import build
+from tests.support import helm
+from tests.support.helm import needs_helm
 
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "charts/jobrunner/files/alerts.yaml"
 CASES = REPO / "tests/alerts/alerts_test.yaml"
 RUNBOOK = REPO / "docs/observability.md"
 PROMTOOL = build.PROMETHEUS.dir() / "bin" / "promtool"
-HELM = build.helm_dir() / "bin" / "helm"
 
 needs_promtool = pytest.mark.skipif(
     not os.access(PROMTOOL, os.X_OK) and not build.go_available(),
@@ -68,15 +69,10 @@ def test_every_alert_has_a_firing_case_and_a_runbook():
         assert a["annotations"]["runbook"] == f"docs/observability.md#{a['alert'].lower()}"
 
 
-@pytest.mark.skipif(not os.access(HELM, os.X_OK) and not build.go_available(),
-                    reason="helm is not built and go is missing: make e2e-bins")
+@needs_helm
 def test_the_chart_ships_exactly_these_rules():
-    build.ensure("helm")
-    out = subprocess.run([str(HELM), "template", "t", "charts/jobrunner",
-                          "--set", "metrics.prometheusRule.enabled=true"],
-                         capture_output=True, text=True, cwd=REPO, timeout=120, check=True).stdout
+    out = helm.template("--set", "metrics.prometheusRule.enabled=true").stdout
     (rule,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule"]
     assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
-    off = subprocess.run([str(HELM), "template", "t", "charts/jobrunner"], capture_output=True,
-                         text=True, cwd=REPO, timeout=120, check=True).stdout
+    off = helm.template().stdout
     assert "PrometheusRule" not in off

@@ -34,11 +34,11 @@ from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
 from jobrunner.store import flowcontrol as limits
 from tests.e2e.harness import build
-from tests.support import dashboard
+from tests.support import dashboard, helm
 from tests.support import prometheus as prometheus_support
+from tests.support.helm import needs_helm
 from tests.support.processes import REPO, child_env, spawned, start_worker, wait_for
 
-HELM = build.helm_dir() / "bin" / "helm"
 PROMTOOL = build.PROMETHEUS.dir() / "bin" / "promtool"
 ROWS = ["Overview", "Per batch", "Per tenant", "Limits", "Workers"]
 FAST = ["--visibility-timeout", "10", "--heartbeat", "1", "--backoff-base", "0.2",
@@ -77,19 +77,14 @@ def test_every_panel_query_parses(tmp_path):
     assert f"SUCCESS: {len(rules)} rules found" in done.stdout
 
 
-@pytest.mark.skipif(not os.access(HELM, os.X_OK) and not build.go_available(),
-                    reason="helm is not built and go is missing: make e2e-bins")
+@needs_helm
 def test_the_chart_ships_the_dashboard_for_the_grafana_sidecar():
-    build.ensure("helm")
-    out = subprocess.run([str(HELM), "template", "t", "charts/jobrunner",
-                          "--set", "metrics.grafanaDashboard.enabled=true"],
-                         capture_output=True, text=True, cwd=REPO, timeout=120, check=True).stdout
+    out = helm.template("--set", "metrics.grafanaDashboard.enabled=true").stdout
     (cm,) = [d for d in yaml.safe_load_all(out)
              if d and d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["data"]["jobrunner.json"].strip() == dashboard.DASHBOARD.read_text().strip()
-    off = subprocess.run([str(HELM), "template", "t", "charts/jobrunner"], capture_output=True,
-                         text=True, cwd=REPO, timeout=120, check=True).stdout
+    off = helm.template().stdout
     assert "grafana_dashboard" not in off
 
 
@@ -213,14 +208,10 @@ def test_every_panel_returns_data_from_a_real_run(dsn, conn, tmp_path):
             dashboard.render(answers, Path(target), board)
 
 
-@pytest.mark.skipif(not os.access(HELM, os.X_OK) and not build.go_available(),
-                    reason="helm is not built and go is missing: make e2e-bins")
+@needs_helm
 def test_the_chart_scrapes_the_workers_as_the_dashboard_expects():
-    build.ensure("helm")
-    out = subprocess.run([str(HELM), "template", "t", "charts/jobrunner",
-                          "--set", "metrics.podMonitor.enabled=true",
-                          "--set", "worker.metricsPort=9090"],
-                         capture_output=True, text=True, cwd=REPO, timeout=120, check=True).stdout
+    out = helm.template("--set", "metrics.podMonitor.enabled=true",
+                        "--set", "worker.metricsPort=9090").stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
     # the labels jobs.py gives every worker pod, its port's name, and the component label
@@ -236,7 +227,5 @@ def test_the_chart_scrapes_the_workers_as_the_dashboard_expects():
     env = {e["name"]: e.get("value") for c in controller["spec"]["template"]["spec"]["containers"]
            for e in c.get("env", [])}
     assert env["JOBRUNNER_WORKER_METRICS_PORT"] == "9090"
-    refused = subprocess.run([str(HELM), "template", "t", "charts/jobrunner",
-                              "--set", "metrics.podMonitor.enabled=true"],
-                             capture_output=True, text=True, cwd=REPO, timeout=120)
+    refused = helm.template("--set", "metrics.podMonitor.enabled=true", check=False)
     assert refused.returncode != 0 and "needs worker.metricsPort" in refused.stderr
