@@ -19,8 +19,9 @@ from typing import Any
 
 import kopf
 
-from jobrunner.operator import kube
+from jobrunner.operator import kube, schedule_db
 from jobrunner.operator.config import GROUP, PLURAL, VERSION
+from jobrunner.operator.database import DatabaseProblem
 from jobrunner.operator.jobs import api_error_detail
 from jobrunner.operator.kube import ApiError
 from jobrunner.operator.schedule_times import (
@@ -35,6 +36,7 @@ from jobrunner.operator.schedule_times import (
     run_name,
 )
 from jobrunner.operator.status import event, get_condition, set_condition
+from jobrunner.store.schedules import REFUSED, STARTED, ScheduleState
 
 SCHEDULES = "batchrunschedules"
 KIND = "BatchRunSchedule"
@@ -60,6 +62,7 @@ async def run_schedule(stopped: kopf.DaemonStopped, namespace: str, name: str, u
             wake.clear()
             try:
                 delay = await asyncio.to_thread(sync_schedule, namespace, name, uid)
+                schedule_db.ensure_poller(namespace, name, start_requested)
             except ApiError as exc:
                 log.warning("schedule %s/%s: HTTP %s %s", namespace, name, exc.status,
                             api_error_detail(exc))
@@ -73,11 +76,19 @@ async def run_schedule(stopped: kopf.DaemonStopped, namespace: str, name: str, u
                 pass
     finally:
         _wake.pop(uid, None)
+        schedule_db.forget(namespace, name)
 
 
 @kopf.on.event(GROUP, VERSION, SCHEDULES)
-async def schedule_changed(uid: str, **_: Any) -> None:
-    """Spec, suspend, a trigger annotation: act now, not at the next start time."""
+async def schedule_changed(uid: str, namespace: str, name: str, body: kopf.Body,
+                           **kwargs: Any) -> None:
+    """Spec, suspend, a trigger annotation: act now, not at the next start time. Deleted:
+    its row in the database goes (schedule_db.py); without a finalizer, so a controller
+    that is down when a schedule is deleted leaves the row behind."""
+    if kwargs.get("type") == "DELETED":
+        spec = dict(body.get("spec") or {})
+        await asyncio.to_thread(schedule_db.deleted, namespace, name, spec)
+        return
     if uid in _wake:
         _wake[uid].set()
 
@@ -108,6 +119,30 @@ def sync_schedule(namespace: str, name: str, uid: str) -> float:
     return Sync(obj).run()
 
 
+def start_requested(trigger: dict[str, Any]) -> tuple[str, str | None, str]:
+    """What becomes of a console's trigger request, taken by schedule_db's poller from
+    the database of the schedules of its namespace: (outcome, run name, message). Only a
+    schedule that exists, whose template uses that same database: a request cannot
+    start a schedule another database's console does not show."""
+    ns, name = trigger["namespace"], trigger["name"]
+    try:
+        obj = kube.get_custom(GROUP, VERSION, ns, SCHEDULES, name)
+    except ApiError as exc:
+        if exc.status == 404:
+            return REFUSED, None, f"refused: there is no BatchRunSchedule {ns}/{name}"
+        raise
+    if obj["metadata"].get("deletionTimestamp"):
+        return REFUSED, None, f"refused: BatchRunSchedule {ns}/{name} is being deleted"
+    try:
+        theirs = schedule_db.template_dsn(ns, obj.get("spec") or {})
+    except DatabaseProblem as exc:
+        return REFUSED, None, f"refused: BatchRunSchedule {ns}/{name}: {exc}"
+    if theirs != trigger["dsn"]:
+        return (REFUSED, None, f"refused: the runs of BatchRunSchedule {ns}/{name} use "
+                "another database")
+    return Sync(obj).start_requested(trigger)
+
+
 class Sync:
     """One pass over one schedule (fresh from the API server)."""
 
@@ -121,6 +156,7 @@ class Sync:
         self.new: dict[str, Any] = {}
         self.conditions: list[dict[str, Any]] = list(self.st.get("conditions") or [])
         self.now = _now()
+        self.refusal: str | None = None  # why the last _create made no run
 
     def _event(self, type_: str, reason: str, message: str) -> None:
         # Schedule messages carry names, times and API errors, no credentials: posted as
@@ -163,7 +199,27 @@ class Sync:
         self.new["observedGeneration"] = self.generation
         self.new["conditions"] = self.conditions
         self._patch_status()
+        schedule_db.record(self.ns, self.name, self.spec, self._db_state())
         return min(MAX_SLEEP, max(0.05, delay))
+
+    def _db_state(self) -> ScheduleState | None:
+        """What the console shows of the schedule (None: its template names no tenant,
+        which the dry run refuses anyway)."""
+        tenant = ((self.spec.get("batchRunTemplate") or {}).get("spec") or {}).get("tenant")
+        if not isinstance(tenant, str) or not tenant:
+            return None
+        st = {**self.st, **self.new}
+        ready = get_condition(self.conditions, "Ready") or {}
+        return ScheduleState(
+            namespace=self.ns, name=self.name, tenant_id=tenant,
+            schedule=str(self.spec.get("schedule", "")), time_zone=self.spec.get("timeZone"),
+            suspend=bool(self.spec.get("suspend")),
+            concurrency_policy=self.spec.get("concurrencyPolicy") or "Allow",
+            ready=ready.get("reason") or "", message=ready.get("message") or "",
+            next_run_at=parse_time(st.get("nextScheduleTime")),
+            last_schedule_at=parse_time(st.get("lastScheduleTime")),
+            last_successful_at=parse_time(st.get("lastSuccessfulTime")),
+            active_runs=tuple(a["name"] for a in st.get("active") or []))
 
     # ------------------------------------------------------------------ validity
     def _invalid(self, reason: str, message: str) -> None:
@@ -283,6 +339,24 @@ class Sync:
         self._create(manual_run_name(self.name, value), {}, {TRIGGER: value},
                      f"{TRIGGER}={value}")
 
+    def start_requested(self, trigger: dict[str, Any]) -> tuple[str, str | None, str]:
+        """A console's trigger request (schedule_db.py): the run the annotation would
+        make, named by the request's id, if the requester's tenant is the template's (an
+        operator's key, tenant '*', may trigger any schedule)."""
+        template = (self.spec.get("batchRunTemplate") or {}).get("spec") or {}
+        requester = trigger["tenant_id"]
+        if requester not in ("*", template.get("tenant")):
+            # (the schedule's tenant is not named: the requester is of another tenant)
+            return (REFUSED, None, f"refused: the key's tenant {requester!r} is not the "
+                    "tenant of this schedule's runs")
+        value = f"console-{trigger['id']}"
+        name = manual_run_name(self.name, value)
+        created = self._create(name, {}, {TRIGGER: value},
+                               f"console trigger {trigger['id']} by {trigger['requested_by']}")
+        if created is None:
+            return REFUSED, None, self.refusal or f"BatchRun {name} was not created"
+        return STARTED, name, f"started BatchRun {name}"
+
     # ------------------------------------------------------------------ runs
     def _manifest(self, name: str, labels: dict[str, str], annotations: dict[str, str]
                   ) -> dict[str, Any]:
@@ -310,12 +384,13 @@ class Sync:
                 existing = kube.get_custom(GROUP, VERSION, self.ns, PLURAL, name)
                 if _owned_by(existing, self.uid):
                     return existing  # made by an earlier pass (a restart): not a second one
-                self._event("Warning", "FailedCreate",
-                            f"BatchRun {name} ({why}) exists and does not belong to this schedule")
+                self.refusal = (f"BatchRun {name} ({why}) exists and does not belong to "
+                                "this schedule")
+                self._event("Warning", "FailedCreate", self.refusal)
                 return None
             if exc.status in (400, 403, 422):
-                self._event("Warning", "FailedCreate",
-                            f"BatchRun {name} ({why}) refused: {api_error_detail(exc)}")
+                self.refusal = f"BatchRun {name} ({why}) refused: {api_error_detail(exc)}"
+                self._event("Warning", "FailedCreate", self.refusal)
                 return None
             raise
         self._event("Normal", "SuccessfulCreate", f"created BatchRun {name} ({why})")

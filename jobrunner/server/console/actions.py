@@ -1,6 +1,7 @@
 """The console's actions, for admin keys only: requeue dead tasks (one, or every one
 matching the browser's filter, its count confirmed first), cancel a batch, raise its
-budget; for an operator's admin also pause and resume a limit and set a pool weight. Each runs
+budget, trigger a schedule; for an operator's admin also pause and resume a limit and set a
+pool weight. Each runs
 in one transaction with its audit row (jobrunner/store/audit.py), and ends with the
 queue's wake-up (batch_notify), which the batch's workers and every replica's live
 updates listen for."""
@@ -20,6 +21,7 @@ from jobrunner.server.console.reads import BULK_CAP
 from jobrunner.store import audit, batches, tasks
 from jobrunner.store import console as console_store
 from jobrunner.store import flowcontrol as flow
+from jobrunner.store import schedules as schedule_store
 from jobrunner.store import workerpools as pools
 
 
@@ -165,3 +167,23 @@ def set_pool_weight(conn: psycopg.Connection, who: Viewer, pool: str, tenant_id:
     except BadInput as exc:
         raise ConsoleError(400, str(exc)) from None
     return streams
+
+
+# -- schedules -------------------------------------------------------------------------
+def trigger_schedule(conn: psycopg.Connection, who: Viewer, namespace: str, name: str
+                     ) -> int:
+    """Ask the controller for a run of the schedule now: a request row it takes within
+    seconds (jobrunner/operator/schedule_db.py), and answers on the row. Only a schedule
+    the viewer's tenant sees; the controller checks the tenant again against the
+    schedule itself, which this server cannot read. Returns the request's id."""
+    with conn.transaction():
+        if schedule_store.get_state(conn, namespace, name, who.scope) is None:
+            raise ConsoleError(404, f"No schedule {namespace}/{name} here.")
+        row = schedule_store.request_trigger(conn, namespace=namespace, name=name,
+                                             tenant_id=who.tenant_id,
+                                             requested_by=who.key_id)
+        audit.record(conn, key_id=who.key_id, tenant_id=who.tenant_id,
+                     action="trigger_schedule", batch_id=None,
+                     detail={"namespace": namespace, "name": name, "trigger": row["id"]},
+                     rows=1)
+    return int(row["id"])

@@ -24,6 +24,7 @@ from jobrunner.server.console.filters import TaskFilter
 from jobrunner.store import audit, batches, tasks
 from jobrunner.store import console as console_store
 from jobrunner.store import flowcontrol as flow
+from jobrunner.store import schedules as schedule_store
 
 COUNT_CAP = 10_000      # index entries read per status and batch, at most
 OVERVIEW_PAGE = 50      # open batches on the overview
@@ -227,6 +228,8 @@ PREVIEW_CHARS = 300
 POOLS_SHOWN = 100
 API_BATCHES_SHOWN = 100
 SCHEDULE_RUNS_SHOWN = 200
+SCHEDULES_SHOWN = 500
+TRIGGERS_SHOWN = 50
 
 
 @dataclass
@@ -363,21 +366,29 @@ def api_batches(conn: psycopg.Connection, scope: str | None
     return rows, list(tenants.values())
 
 
-def schedules(conn: psycopg.Connection, scope: str | None) -> list[dict[str, Any]]:
-    """The schedules the database knows of through their runs' batch ids, newest run
-    first, with up to 10 runs each."""
+def schedules(conn: psycopg.Connection, scope: str | None) -> dict[str, Any]:
+    """The schedules as the controller last wrote them (schedule_state: cron, zone,
+    suspended, next and last run), each with its newest runs (up to 10, found by their
+    batch ids); the runs of schedules the table does not hold (deleted ones, or from
+    before the controller wrote it) listed apart; and the newest trigger requests with
+    what became of them."""
     with conn.transaction():
+        states = schedule_store.list_states(conn, scope, SCHEDULES_SHOWN)
         rows = console_store.schedule_runs(conn, scope, SCHEDULE_RUNS_SHOWN)
-    found: dict[tuple[str, str], dict[str, Any]] = {}
+        triggers = schedule_store.list_triggers(conn, scope, TRIGGERS_SHOWN)
+    known: dict[tuple[str, str], dict[str, Any]] = {
+        (s["namespace"], s["name"]): {**s, "runs": []} for s in states}
+    orphans: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
-        entry = found.setdefault((r["namespace"], r["schedule"]), {
-            "namespace": r["namespace"], "schedule": r["schedule"],
-            "tenant_id": r["tenant_id"], "runs": [], "last": r["created_at"]})
+        where = (r["namespace"], r["schedule"])
+        entry = known.get(where) or orphans.setdefault(where, {
+            "namespace": r["namespace"], "name": r["schedule"], "tenant_id": r["tenant_id"],
+            "runs": [], "last": r["created_at"]})
         if len(entry["runs"]) < 10:
             manual = r["stamp"].startswith("manual-")
             r["scheduled_for"] = (None if manual else
                                   datetime.fromtimestamp(int(r["stamp"]) * 60, UTC))
             r["manual"] = manual
             entry["runs"].append(r)
-    return list(found.values())
-
+    return {"schedules": list(known.values()), "orphans": list(orphans.values()),
+            "triggers": triggers}

@@ -257,7 +257,8 @@ def schedules_page(request: Request) -> Response:
     who = _page_viewer(request)
     with context(request).db.connection() as conn:
         found = reads.schedules(conn, who.scope)
-    return render("schedules.html", who=who, schedules=found, shown=reads.SCHEDULE_RUNS_SHOWN)
+    return render("schedules.html", who=who, **found, shown=reads.SCHEDULE_RUNS_SHOWN,
+                  done=request.query_params.get("done"))
 
 
 def api_batches_page(request: Request) -> Response:
@@ -517,6 +518,21 @@ async def pool_weight(request: Request) -> Response:
     return await run_in_threadpool(run)
 
 
+async def schedule_trigger(request: Request) -> Response:
+    """"Trigger now": a request the controller takes (this server has no Kubernetes
+    access); the schedules page shows what became of it."""
+    who, _form = await _action_viewer(request)
+    namespace, name = request.path_params["namespace"], request.path_params["name"]
+    ctx = context(request)
+
+    def run() -> Response:
+        with ctx.db.connection() as conn:
+            trigger = actions.trigger_schedule(conn, who, namespace, name)
+        return _back("/schedules", f"triggered-{trigger}")
+
+    return await run_in_threadpool(run)
+
+
 # -- live updates ----------------------------------------------------------------------
 async def events(request: Request) -> Response:
     who = await run_in_threadpool(_who, request)
@@ -578,6 +594,7 @@ routes = [
         Route("/pools", pools_page),
         Route("/pools/{pool}/weight", pool_weight, methods=["POST"]),
         Route("/schedules", schedules_page),
+        Route("/schedules/{namespace}/{name}/trigger", schedule_trigger, methods=["POST"]),
         Route("/api-batches", api_batches_page),
         Route("/events", events),
         Route("/events/stats", live_stats),
