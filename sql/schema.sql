@@ -447,6 +447,51 @@ CREATE TABLE public.agent_pool_tenant_usage (
 
 ALTER TABLE ONLY public.agent_pool_tenant_usage FORCE ROW LEVEL SECURITY;
 
+CREATE TABLE public.agent_schedule (
+    namespace text NOT NULL,
+    name text NOT NULL,
+    tenant_id text NOT NULL,
+    schedule text NOT NULL,
+    time_zone text,
+    suspend boolean NOT NULL,
+    concurrency_policy text NOT NULL,
+    ready text NOT NULL,
+    message text NOT NULL,
+    next_run_at timestamp with time zone,
+    last_schedule_at timestamp with time zone,
+    last_successful_at timestamp with time zone,
+    active_runs text[] DEFAULT '{}'::text[] NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+ALTER TABLE ONLY public.agent_schedule FORCE ROW LEVEL SECURITY;
+
+CREATE TABLE public.agent_schedule_trigger (
+    id bigint NOT NULL,
+    namespace text NOT NULL,
+    name text NOT NULL,
+    tenant_id text NOT NULL,
+    requested_by text NOT NULL,
+    requested_at timestamp with time zone DEFAULT now() NOT NULL,
+    taken_at timestamp with time zone,
+    outcome text,
+    run_name text,
+    message text,
+    CONSTRAINT agent_schedule_trigger_outcome_check CHECK ((outcome = ANY (ARRAY['started'::text, 'refused'::text]))),
+    CONSTRAINT agent_schedule_trigger_taken_check CHECK (((taken_at IS NULL) = (outcome IS NULL)))
+);
+
+ALTER TABLE ONLY public.agent_schedule_trigger FORCE ROW LEVEL SECURITY;
+
+CREATE SEQUENCE public.agent_schedule_trigger_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
+
+ALTER SEQUENCE public.agent_schedule_trigger_id_seq OWNED BY public.agent_schedule_trigger.id;
+
 CREATE TABLE public.agent_shard_lease (
     tenant_id text NOT NULL,
     shard_key text NOT NULL,
@@ -664,56 +709,11 @@ CREATE TABLE public.jobrunner_tenant_role (
     tenant_id text NOT NULL
 );
 
-CREATE TABLE public.schedule_state (
-    namespace text NOT NULL,
-    name text NOT NULL,
-    tenant_id text NOT NULL,
-    schedule text NOT NULL,
-    time_zone text,
-    suspend boolean NOT NULL,
-    concurrency_policy text NOT NULL,
-    ready text NOT NULL,
-    message text NOT NULL,
-    next_run_at timestamp with time zone,
-    last_schedule_at timestamp with time zone,
-    last_successful_at timestamp with time zone,
-    active_runs text[] DEFAULT '{}'::text[] NOT NULL,
-    updated_at timestamp with time zone DEFAULT now() NOT NULL
-);
-
-ALTER TABLE ONLY public.schedule_state FORCE ROW LEVEL SECURITY;
-
-CREATE TABLE public.schedule_trigger (
-    id bigint NOT NULL,
-    namespace text NOT NULL,
-    name text NOT NULL,
-    tenant_id text NOT NULL,
-    requested_by text NOT NULL,
-    requested_at timestamp with time zone DEFAULT now() NOT NULL,
-    taken_at timestamp with time zone,
-    outcome text,
-    run_name text,
-    message text,
-    CONSTRAINT schedule_trigger_outcome_check CHECK ((outcome = ANY (ARRAY['started'::text, 'refused'::text]))),
-    CONSTRAINT schedule_trigger_taken_check CHECK (((taken_at IS NULL) = (outcome IS NULL)))
-);
-
-ALTER TABLE ONLY public.schedule_trigger FORCE ROW LEVEL SECURITY;
-
-CREATE SEQUENCE public.schedule_trigger_id_seq
-    START WITH 1
-    INCREMENT BY 1
-    NO MINVALUE
-    NO MAXVALUE
-    CACHE 1;
-
-ALTER SEQUENCE public.schedule_trigger_id_seq OWNED BY public.schedule_trigger.id;
+ALTER TABLE ONLY public.agent_schedule_trigger ALTER COLUMN id SET DEFAULT nextval('public.agent_schedule_trigger_id_seq'::regclass);
 
 ALTER TABLE ONLY public.agent_work_queue ALTER COLUMN id SET DEFAULT nextval('public.agent_work_queue_id_seq'::regclass);
 
 ALTER TABLE ONLY public.console_audit ALTER COLUMN id SET DEFAULT nextval('public.console_audit_id_seq'::regclass);
-
-ALTER TABLE ONLY public.schedule_trigger ALTER COLUMN id SET DEFAULT nextval('public.schedule_trigger_id_seq'::regclass);
 
 ALTER TABLE ONLY public.agent_batch
     ADD CONSTRAINT agent_batch_pkey PRIMARY KEY (batch_id);
@@ -741,6 +741,12 @@ ALTER TABLE ONLY public.agent_pool_tenant
 
 ALTER TABLE ONLY public.agent_pool_tenant_usage
     ADD CONSTRAINT agent_pool_tenant_usage_pkey PRIMARY KEY (pool, tenant_id);
+
+ALTER TABLE ONLY public.agent_schedule
+    ADD CONSTRAINT agent_schedule_pkey PRIMARY KEY (namespace, name);
+
+ALTER TABLE ONLY public.agent_schedule_trigger
+    ADD CONSTRAINT agent_schedule_trigger_pkey PRIMARY KEY (id);
 
 ALTER TABLE ONLY public.agent_shard_lease
     ADD CONSTRAINT agent_shard_lease_pkey PRIMARY KEY (tenant_id, shard_key);
@@ -793,13 +799,11 @@ ALTER TABLE ONLY public.jobrunner_schema_migrations
 ALTER TABLE ONLY public.jobrunner_tenant_role
     ADD CONSTRAINT jobrunner_tenant_role_pkey PRIMARY KEY (role_name, tenant_id);
 
-ALTER TABLE ONLY public.schedule_state
-    ADD CONSTRAINT schedule_state_pkey PRIMARY KEY (namespace, name);
-
-ALTER TABLE ONLY public.schedule_trigger
-    ADD CONSTRAINT schedule_trigger_pkey PRIMARY KEY (id);
-
 CREATE INDEX agent_batch_pool_idx ON public.agent_batch USING btree (pool, tenant_id, priority) WHERE (pool IS NOT NULL);
+
+CREATE INDEX agent_schedule_trigger_by_schedule ON public.agent_schedule_trigger USING btree (namespace, name, id DESC);
+
+CREATE INDEX agent_schedule_trigger_untaken ON public.agent_schedule_trigger USING btree (id) WHERE (taken_at IS NULL);
 
 CREATE INDEX agent_task_usage_batch_idx ON public.agent_task_usage USING btree (batch_id);
 
@@ -821,10 +825,6 @@ CREATE INDEX api_file_by_tenant ON public.api_file USING btree (tenant_id, creat
 
 CREATE INDEX console_audit_by_batch ON public.console_audit USING btree (batch_id, id DESC);
 
-CREATE INDEX schedule_trigger_by_schedule ON public.schedule_trigger USING btree (namespace, name, id DESC);
-
-CREATE INDEX schedule_trigger_untaken ON public.schedule_trigger USING btree (id) WHERE (taken_at IS NULL);
-
 CREATE TRIGGER agent_work_queue_key_delete AFTER DELETE ON public.agent_work_queue FOR EACH ROW EXECUTE FUNCTION public.jobrunner_task_key_delete();
 
 CREATE TRIGGER agent_work_queue_key_fixed BEFORE UPDATE OF batch_id, task_key ON public.agent_work_queue FOR EACH ROW WHEN (((old.batch_id IS DISTINCT FROM new.batch_id) OR (old.task_key IS DISTINCT FROM new.task_key))) EXECUTE FUNCTION public.jobrunner_task_key_fixed();
@@ -845,6 +845,10 @@ ALTER TABLE public.agent_pool_stream ENABLE ROW LEVEL SECURITY;
 ALTER TABLE public.agent_pool_tenant ENABLE ROW LEVEL SECURITY;
 
 ALTER TABLE public.agent_pool_tenant_usage ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_schedule ENABLE ROW LEVEL SECURITY;
+
+ALTER TABLE public.agent_schedule_trigger ENABLE ROW LEVEL SECURITY;
 
 ALTER TABLE public.agent_shard_lease ENABLE ROW LEVEL SECURITY;
 
@@ -878,6 +882,10 @@ CREATE POLICY jobrunner_all ON public.agent_pool_tenant USING (true);
 
 CREATE POLICY jobrunner_all ON public.agent_pool_tenant_usage USING (true);
 
+CREATE POLICY jobrunner_all ON public.agent_schedule USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_schedule_trigger USING (true);
+
 CREATE POLICY jobrunner_all ON public.agent_shard_lease USING (true);
 
 CREATE POLICY jobrunner_all ON public.agent_task_effect USING (true);
@@ -900,14 +908,6 @@ CREATE POLICY jobrunner_all ON public.api_key USING (true);
 
 CREATE POLICY jobrunner_all ON public.console_audit USING (true);
 
-CREATE POLICY jobrunner_all ON public.schedule_state USING (true);
-
-CREATE POLICY jobrunner_all ON public.schedule_trigger USING (true);
-
 CREATE POLICY jobrunner_own ON public.jobrunner_tenant_role FOR SELECT USING ((role_name = SESSION_USER));
 
 ALTER TABLE public.jobrunner_tenant_role ENABLE ROW LEVEL SECURITY;
-
-ALTER TABLE public.schedule_state ENABLE ROW LEVEL SECURITY;
-
-ALTER TABLE public.schedule_trigger ENABLE ROW LEVEL SECURITY;

@@ -669,3 +669,110 @@ def test_a_batch_id_with_slashes_has_its_pages(server, shared):
                           c.get(f"{link}/tasks").text) == ["n"]
         assert c.get(f"{link}/tasks/n").status_code == 200
         assert c.get(f"{link}/export.jsonl").status_code == 200
+
+
+# -- schedules: the controller's rows, "Trigger now" ----------------------------------
+@pytest.fixture(scope="module")
+def schedule_rows(server: ConsoleServer, shared) -> dict:
+    """Two schedules as the controller writes them (jobrunner/operator/schedule_db.py):
+    acme's ops/nightly (whose runs `shared` enqueued) and globex's ops/report."""
+    import datetime as dt
+
+    from jobrunner.store import schedules
+    utc = dt.UTC
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        schedules.put_state(conn, schedules.ScheduleState(
+            "ops", "nightly", "acme", "45 6 * * *", "Europe/Paris", False, "Forbid",
+            "Scheduled", "next start time 2025-12-04T05:45:00Z",
+            dt.datetime(2025, 12, 4, 5, 45, tzinfo=utc),
+            dt.datetime(2025, 12, 3, 5, 45, tzinfo=utc), None, ("nightly-29412345",)))
+        assert not schedules.put_state(conn, schedules.ScheduleState(  # (unchanged: no write)
+            "ops", "nightly", "acme", "45 6 * * *", "Europe/Paris", False, "Forbid",
+            "Scheduled", "next start time 2025-12-04T05:45:00Z",
+            dt.datetime(2025, 12, 4, 5, 45, tzinfo=utc),
+            dt.datetime(2025, 12, 3, 5, 45, tzinfo=utc), None, ("nightly-29412345",)))
+        schedules.put_state(conn, schedules.ScheduleState(
+            "ops", "report", "globex", "@hourly", None, True, "Allow", "Suspended",
+            "spec.suspend is true: no new runs", None, None, None, ()))
+    return {"acme": "ops/nightly", "globex": "ops/report"}
+
+
+def _section(html: str, schedule: str) -> str:
+    start = html.index(f'data-schedule="{schedule}"')
+    end = html.find("<section", start)
+    return html[start:end if end > 0 else len(html)]
+
+
+def test_schedules_show_next_and_last_run_and_history_to_their_tenant(server, schedule_rows):
+    with client(server, server.key("acme")) as c:
+        page = c.get("/console/schedules").text
+    nightly = _section(page, "ops/nightly")
+    assert "<code>45 6 * * *</code> in Europe/Paris" in nightly
+    assert "concurrency Forbid" in nightly and "suspended" not in nightly
+    assert re.search(r'class="next-run">2025-12-04 05:45:00 UTC<', nightly)
+    assert re.search(r'class="last-run">2025-12-03 05:45:00 UTC<', nightly)
+    assert 'class="active">nightly-29412345<' in nightly
+    # its runs, found by their batch ids, under it (not among the unknown schedules')
+    assert "ops/nightly-29412345/0a1b2c3d" in nightly and "ops/nightly-manual-now" in nightly
+    assert "Runs of other schedules" not in page
+    assert "ops/report" not in page  # (globex's)
+    assert "Trigger now" not in page  # (a read key sees no action)
+    with client(server, server.key("*")) as c:
+        page = c.get("/console/schedules").text
+    report = _section(page, "ops/report")
+    assert 'class="paused suspended"' in report and 'class="next-run">-<' in report
+
+
+def test_trigger_now_needs_an_admin_csrf_and_the_tenant_and_is_audited(server, schedule_rows):
+    url = "/console/schedules/ops/nightly/trigger"
+
+    def requests() -> list[tuple]:
+        with psycopg.connect(server.dsn) as conn:
+            return conn.execute("SELECT id, namespace, name, tenant_id, requested_by, "
+                                "taken_at FROM agent_schedule_trigger ORDER BY id").fetchall()
+
+    with client(server, server.key("acme")) as c:
+        token = csrf_of(c.get("/console/schedules").text)
+        refused = c.post(url, data={"csrf": token})
+        assert refused.status_code == 403 and "role is read" in refused.text
+    admin = server.key("acme", "admin")
+    with client(server, admin) as c:
+        page = c.get("/console/schedules").text
+        assert "Trigger now" in _section(page, "ops/nightly")
+        token = csrf_of(page)
+        assert c.post(url, data={}).status_code == 403
+        assert c.post(url, data={"csrf": "0" * 64}).status_code == 403
+        assert c.post(url, data={"csrf": token},
+                      headers={"Origin": "https://evil.example"}).status_code == 403
+        # globex's schedule is not acme's to trigger (nor to see: not found, as a batch)
+        other = c.post("/console/schedules/ops/report/trigger", data={"csrf": token})
+        assert other.status_code == 404
+        assert c.post("/console/schedules/ops/nope/trigger",
+                      data={"csrf": token}).status_code == 404
+        assert requests() == []
+        done = c.post(url, data={"csrf": token}, follow_redirects=False)
+        assert done.status_code == 303 and "done=triggered-" in done.headers["location"]
+        with psycopg.connect(server.dsn) as conn:
+            key_id = conn.execute("SELECT key_id FROM api_key WHERE tenant_id = 'acme' AND "
+                                  "role = 'admin' ORDER BY created_at DESC").fetchone()[0]
+        [(trigger, ns, name, tenant, by, taken)] = requests()
+        assert (ns, name, tenant, by, taken) == ("ops", "nightly", "acme", key_id, None)
+        page = c.get(done.headers["location"]).text
+        assert f"Trigger request {trigger} sent" in page
+        assert re.search(rf'data-trigger="{trigger}" data-outcome="waiting"', page)
+        # the controller's answer (jobrunner/operator/schedule_db.py), shown on the page
+        with psycopg.connect(server.dsn, autocommit=True) as conn:
+            from jobrunner.store import schedules
+            assert schedules.answer_trigger(conn, trigger, outcome="started",
+                                            run_name=f"nightly-manual-console-{trigger}",
+                                            message="started")
+            assert not schedules.answer_trigger(conn, trigger, outcome="refused",
+                                                run_name=None, message="twice")
+        page = c.get("/console/schedules").text
+        assert f"started nightly-manual-console-{trigger}" in page
+        audit = c.get("/console/audit").text
+        assert "trigger_schedule" in audit
+    assert [r[1:] for r in _audit(server.dsn, "trigger_schedule")] == [
+        ("acme", None, {"namespace": "ops", "name": "nightly", "trigger": trigger}, 1)]
+    with client(server, server.key("globex")) as c:  # (acme's request is not globex's)
+        assert f'data-trigger="{trigger}"' not in c.get("/console/schedules").text

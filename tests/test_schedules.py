@@ -1,12 +1,16 @@
 """BatchRunSchedule logic without a cluster: start times in a time zone (DST included),
 missed start times after a downtime (capped), the starting deadline, run names; the CRD
-copy; and the queue rule Replace relies on (a cancelled batch strands nothing)."""
+copy; the queue rule Replace relies on (a cancelled batch strands nothing); and the
+console's trigger requests, taken once by concurrent pollers (real PostgreSQL)."""
 
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 from pathlib import Path
 
+import psycopg
 import pytest
 import yaml
 
@@ -228,3 +232,60 @@ def test_ticket_grading_schedule_example_matches_its_batchrun():
     s = parse_schedule(sched["spec"]["schedule"], sched["spec"]["timeZone"])
     nxt = s.after(t("2026-12-04T12:00:00+00:00"))
     assert nxt == t("2026-12-05T01:30:00+00:00")  # 02:30 in Berlin (UTC+1 in winter)
+
+
+# ------------------------------------------------------------------ the console's triggers
+def test_trigger_requests_are_taken_once_by_concurrent_polls(dsn):
+    """Two controller replicas (or a poll still answering and the next one) poll the same
+    database: each request is started once and answered once; a request whose start
+    failed for a passing reason stays untaken and the next poll takes it; another
+    namespace's requests are left to the controller of that namespace."""
+    from jobrunner.operator import schedule_db
+    from jobrunner.store import schedules
+
+    with psycopg.connect(dsn, autocommit=True) as c:
+        ids = {f"s{i}": schedules.request_trigger(c, namespace="ops", name=f"s{i}",
+                                                  tenant_id="acme", requested_by="k")["id"]
+               for i in range(6)}
+        schedules.request_trigger(c, namespace="elsewhere", name="x", tenant_id="acme",
+                                  requested_by="k")
+    started: list[int] = []
+    lock = threading.Lock()
+    away = {"s5"}
+
+    def start(trigger: dict) -> tuple[str, str | None, str]:
+        assert trigger["dsn"] == dsn
+        with lock:
+            started.append(trigger["id"])
+        time.sleep(0.2)  # (the API server's answer: the other poll runs meanwhile)
+        if trigger["name"] in away:
+            raise ConnectionError("the API server is away")
+        if trigger["name"] == "s4":
+            return schedules.REFUSED, None, "refused: not this tenant's"
+        return schedules.STARTED, f"{trigger['name']}-manual-console-{trigger['id']}", "ok"
+
+    answered: list[int] = []
+    polls = [threading.Thread(target=lambda: answered.append(
+        schedule_db.take(dsn, ["ops"], start))) for _ in range(2)]
+    for p in polls:
+        p.start()
+    for p in polls:
+        p.join(30)
+    assert sorted(started) == sorted(ids.values())  # each once, across both polls
+    assert sum(answered) == 5
+
+    def rows() -> dict[str, tuple]:
+        with psycopg.connect(dsn) as c:
+            return {r[0]: r[1:] for r in c.execute(
+                "SELECT name, outcome, run_name, message, taken_at IS NOT NULL "
+                "FROM agent_schedule_trigger ORDER BY id")}
+
+    found = rows()
+    assert found["s0"] == ("started", f"s0-manual-console-{ids['s0']}", "ok", True)
+    assert found["s4"] == ("refused", None, "refused: not this tenant's", True)
+    assert found["s5"] == (None, None, None, False) and found["x"] == (None, None, None, False)
+    away.clear()
+    started.clear()
+    assert schedule_db.take(dsn, ["ops"], start) == 1 and started == [ids["s5"]]
+    assert rows()["s5"][0] == "started"
+    assert schedule_db.take(dsn, ["ops"], start) == 0

@@ -4,8 +4,8 @@
 of a schedule, and its "Trigger now", go through the database of the schedule's template
 (the Secret of spec.batchRunTemplate.spec.database, or the controller's default, as a
 BatchRun's): each schedule's pass writes its state row when something shown changed
-(schedule_state), and one poller per database takes the console's trigger requests
-(schedule_trigger) every POLL seconds with one indexed query, whatever the number of
+(agent_schedule), and one poller per database takes the console's trigger requests
+(agent_schedule_trigger) every POLL seconds with one indexed query, whatever the number of
 schedules. The run itself is made by schedule.py as for the jobrunner.dev/trigger
 annotation; what became of a request is written on its row.
 

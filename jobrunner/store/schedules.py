@@ -1,4 +1,4 @@
-"""BatchRunSchedules in the database (schedule_state, schedule_trigger; migration 0029):
+"""BatchRunSchedules in the database (agent_schedule, agent_schedule_trigger; migration 0029):
 the controller writes each schedule's state and answers trigger requests, the console
 reads the states and inserts requests (docs/console.md "Schedules"). Statements only
 (sql/queries/schedules.sql); the caller holds the transaction."""
@@ -28,7 +28,7 @@ STARTED, REFUSED = "started", "refused"
 
 @dataclass(frozen=True)
 class ScheduleState:
-    """What the console shows of one schedule (a row of schedule_state)."""
+    """What the console shows of one schedule (a row of agent_schedule)."""
 
     namespace: str
     name: str

@@ -13,14 +13,13 @@
 -- checks that these lists name every object the migrations make).
 REVOKE ALL ON agent_batch, agent_batch_usage, agent_limit, agent_limit_lane,
     agent_limit_lease, agent_pool, agent_pool_stream, agent_pool_tenant,
-    agent_pool_tenant_usage, agent_shard_lease,
+    agent_pool_tenant_usage, agent_schedule, agent_schedule_trigger, agent_shard_lease,
     agent_task_effect, agent_task_key, agent_task_usage, agent_work_queue,
     agent_work_queue_archive, api_batch, api_file, api_file_chunk, api_key, console_audit,
-    jobrunner_component_role, jobrunner_schema_migrations, jobrunner_tenant_role,
-    schedule_state, schedule_trigger
+    jobrunner_component_role, jobrunner_schema_migrations, jobrunner_tenant_role
 FROM {operator}, {worker}, {api}, {readonly};
-REVOKE ALL ON SEQUENCE agent_work_queue_id_seq, console_audit_id_seq,
-    schedule_trigger_id_seq
+REVOKE ALL ON SEQUENCE agent_schedule_trigger_id_seq, agent_work_queue_id_seq,
+    console_audit_id_seq
 FROM {operator}, {worker}, {api}, {readonly};
 REVOKE ALL ON FUNCTION
     jobrunner_batch_settled(text, text),
@@ -95,8 +94,8 @@ GRANT SELECT ON jobrunner_schema_migrations TO {operator};
 GRANT USAGE ON SEQUENCE agent_work_queue_id_seq TO {operator};
 -- BatchRunSchedules as last seen (written when they change, deleted with them), and the
 -- console's trigger requests, each taken once and answered (migration 0029).
-GRANT SELECT, INSERT, UPDATE, DELETE ON schedule_state TO {operator};
-GRANT SELECT, UPDATE ON schedule_trigger TO {operator};
+GRANT SELECT, INSERT, UPDATE, DELETE ON agent_schedule TO {operator};
+GRANT SELECT, UPDATE ON agent_schedule_trigger TO {operator};
 GRANT EXECUTE ON FUNCTION
     jobrunner_batch_settled(text, text),
     jobrunner_limit_admit(bigint[]),
@@ -121,9 +120,9 @@ GRANT USAGE ON SEQUENCE console_audit_id_seq TO {api};
 -- Schedules: read what the controller wrote of them; ask for a run ("Trigger now") by
 -- inserting a request the controller takes. No Kubernetes access, and no UPDATE of a
 -- request: its outcome is the controller's to write.
-GRANT SELECT ON schedule_state TO {api};
-GRANT SELECT, INSERT ON schedule_trigger TO {api};
-GRANT USAGE ON SEQUENCE schedule_trigger_id_seq TO {api};
+GRANT SELECT ON agent_schedule TO {api};
+GRANT SELECT, INSERT ON agent_schedule_trigger TO {api};
+GRANT USAGE ON SEQUENCE agent_schedule_trigger_id_seq TO {api};
 GRANT SELECT, INSERT, UPDATE ON agent_work_queue, agent_batch, agent_task_usage,
     agent_batch_usage, agent_pool, agent_pool_stream TO {api};
 GRANT SELECT, INSERT ON agent_task_key TO {api};
@@ -149,8 +148,8 @@ TO {api};
 GRANT SELECT ON agent_work_queue, agent_work_queue_archive, agent_batch, agent_task_key,
     agent_task_effect, agent_task_usage, agent_batch_usage, agent_limit, agent_limit_lane,
     agent_limit_lease, agent_pool, agent_pool_stream, agent_pool_tenant,
-    agent_pool_tenant_usage, agent_shard_lease, api_file, api_batch, console_audit,
-    jobrunner_schema_migrations, schedule_state, schedule_trigger TO {readonly};
+    agent_pool_tenant_usage, agent_schedule, agent_schedule_trigger, agent_shard_lease,
+    api_file, api_batch, console_audit, jobrunner_schema_migrations TO {readonly};
 GRANT EXECUTE ON FUNCTION
     jobrunner_batch_settled(text, text),
     jobrunner_pool_now(text),

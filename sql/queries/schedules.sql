@@ -8,7 +8,7 @@
 -- name: schedule_state_upsert
 -- The controller's view of one schedule, written only if something in it changed (a
 -- schedule's daemon passes at each start time and on each change of it or its runs).
-INSERT INTO schedule_state AS s (namespace, name, tenant_id, schedule, time_zone, suspend,
+INSERT INTO agent_schedule AS s (namespace, name, tenant_id, schedule, time_zone, suspend,
                                  concurrency_policy, ready, message, next_run_at,
                                  last_schedule_at, last_successful_at, active_runs)
 VALUES (%(namespace)s, %(name)s, %(tenant_id)s, %(schedule)s, %(time_zone)s, %(suspend)s,
@@ -32,12 +32,12 @@ RETURNING s.updated_at;
 
 -- name: schedule_state_delete
 -- The schedule was deleted: its row goes (its triggers stay, with their outcomes).
-DELETE FROM schedule_state WHERE namespace = %(namespace)s AND name = %(name)s;
+DELETE FROM agent_schedule WHERE namespace = %(namespace)s AND name = %(name)s;
 
 -- name: schedule_state_get
 -- One schedule, if the viewer's tenant (NULL: any) may see it.
 SELECT s.namespace, s.name, s.tenant_id
-FROM schedule_state s
+FROM agent_schedule s
 WHERE s.namespace = %(namespace)s AND s.name = %(name)s
   AND (%(tenant_id)s::text IS NULL OR s.tenant_id = %(tenant_id)s);
 
@@ -46,14 +46,14 @@ WHERE s.namespace = %(namespace)s AND s.name = %(name)s
 SELECT s.namespace, s.name, s.tenant_id, s.schedule, s.time_zone, s.suspend,
        s.concurrency_policy, s.ready, s.message, s.next_run_at, s.last_schedule_at,
        s.last_successful_at, s.active_runs, s.updated_at
-FROM schedule_state s
+FROM agent_schedule s
 WHERE %(tenant_id)s::text IS NULL OR s.tenant_id = %(tenant_id)s
 ORDER BY s.namespace, s.name
 LIMIT %(limit)s;
 
 -- name: schedule_trigger_insert
 -- A console admin asks for a run of the schedule now; the controller takes the request.
-INSERT INTO schedule_trigger (namespace, name, tenant_id, requested_by)
+INSERT INTO agent_schedule_trigger (namespace, name, tenant_id, requested_by)
 VALUES (%(namespace)s, %(name)s, %(tenant_id)s, %(requested_by)s)
 RETURNING id, requested_at;
 
@@ -63,7 +63,7 @@ RETURNING id, requested_at;
 -- second replica (or a pass still answering) passes them by rather than waiting, and a
 -- crash before the answer commits leaves them untaken for the next poll.
 SELECT t.id, t.namespace, t.name, t.tenant_id, t.requested_by
-FROM schedule_trigger t
+FROM agent_schedule_trigger t
 WHERE t.taken_at IS NULL AND t.namespace = ANY (%(namespaces)s::text[])
 ORDER BY t.id
 LIMIT %(limit)s
@@ -72,7 +72,7 @@ FOR UPDATE SKIP LOCKED;
 -- name: schedule_trigger_answer
 -- What became of a request: 'started' and its run, or 'refused' and why. Only an untaken
 -- request is answered: a request is taken once.
-UPDATE schedule_trigger
+UPDATE agent_schedule_trigger
 SET taken_at = now(), outcome = %(outcome)s, run_name = %(run_name)s, message = %(message)s
 WHERE id = %(id)s AND taken_at IS NULL
 RETURNING id;
@@ -82,9 +82,9 @@ RETURNING id;
 -- tenant sees the requests made for its schedules, and those its own keys made.
 SELECT t.id, t.namespace, t.name, t.tenant_id, t.requested_by, k.name AS key_name,
        t.requested_at, t.taken_at, t.outcome, t.run_name, t.message
-FROM schedule_trigger t
+FROM agent_schedule_trigger t
 LEFT JOIN api_key k ON k.key_id = t.requested_by
-LEFT JOIN schedule_state s ON s.namespace = t.namespace AND s.name = t.name
+LEFT JOIN agent_schedule s ON s.namespace = t.namespace AND s.name = t.name
 WHERE %(tenant_id)s::text IS NULL OR t.tenant_id = %(tenant_id)s
    OR s.tenant_id = %(tenant_id)s
 ORDER BY t.id DESC

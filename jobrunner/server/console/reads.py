@@ -367,7 +367,7 @@ def api_batches(conn: psycopg.Connection, scope: str | None
 
 
 def schedules(conn: psycopg.Connection, scope: str | None) -> dict[str, Any]:
-    """The schedules as the controller last wrote them (schedule_state: cron, zone,
+    """The schedules as the controller last wrote them (agent_schedule: cron, zone,
     suspended, next and last run), each with its newest runs (up to 10, found by their
     batch ids); the runs of schedules the table does not hold (deleted ones, or from
     before the controller wrote it) listed apart; and the newest trigger requests with

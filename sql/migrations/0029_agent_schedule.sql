@@ -10,7 +10,7 @@
 -- One row per BatchRunSchedule whose template names this database, as the controller
 -- last saw it (jobrunner/operator/schedule.py): written when something shown changed,
 -- deleted with the schedule. tenant_id is the template's spec.tenant.
-CREATE TABLE schedule_state (
+CREATE TABLE agent_schedule (
     namespace          text NOT NULL,
     name               text NOT NULL,
     tenant_id          text NOT NULL,
@@ -34,7 +34,7 @@ CREATE TABLE schedule_state (
 -- jobrunner.dev/trigger annotation makes its run), or 'refused' and why (no such
 -- schedule; the requester's tenant is not the template's). tenant_id is the requesting
 -- key's tenant ('*': an operator's key, which may trigger any schedule).
-CREATE TABLE schedule_trigger (
+CREATE TABLE agent_schedule_trigger (
     id           bigserial PRIMARY KEY,
     namespace    text NOT NULL,
     name         text NOT NULL,
@@ -42,23 +42,23 @@ CREATE TABLE schedule_trigger (
     requested_by text NOT NULL,               -- the key's id (or proxy:<user>)
     requested_at timestamptz NOT NULL DEFAULT now(),
     taken_at     timestamptz,
-    outcome      text CONSTRAINT schedule_trigger_outcome_check
+    outcome      text CONSTRAINT agent_schedule_trigger_outcome_check
                       CHECK (outcome IN ('started', 'refused')),
     run_name     text,
     message      text,
-    CONSTRAINT schedule_trigger_taken_check CHECK ((taken_at IS NULL) = (outcome IS NULL))
+    CONSTRAINT agent_schedule_trigger_taken_check CHECK ((taken_at IS NULL) = (outcome IS NULL))
 );
 -- The controller's poll (schedule_trigger_take): the untaken rows only, a small index
 -- however long the history grows.
-CREATE INDEX schedule_trigger_untaken ON schedule_trigger (id) WHERE taken_at IS NULL;
+CREATE INDEX agent_schedule_trigger_untaken ON agent_schedule_trigger (id) WHERE taken_at IS NULL;
 -- The console's recent triggers, newest first.
-CREATE INDEX schedule_trigger_by_schedule ON schedule_trigger (namespace, name, id DESC);
+CREATE INDEX agent_schedule_trigger_by_schedule ON agent_schedule_trigger (namespace, name, id DESC);
 
 -- Tenants in the rows, as every tenant table (migrations 0022 and 0026): a role bound to
 -- tenants gets its restrictive policy on both from `jobrunner migrate` / `db grant`.
-ALTER TABLE schedule_state ENABLE ROW LEVEL SECURITY;
-ALTER TABLE schedule_state FORCE ROW LEVEL SECURITY;
-CREATE POLICY jobrunner_all ON schedule_state USING (true);
-ALTER TABLE schedule_trigger ENABLE ROW LEVEL SECURITY;
-ALTER TABLE schedule_trigger FORCE ROW LEVEL SECURITY;
-CREATE POLICY jobrunner_all ON schedule_trigger USING (true);
+ALTER TABLE agent_schedule ENABLE ROW LEVEL SECURITY;
+ALTER TABLE agent_schedule FORCE ROW LEVEL SECURITY;
+CREATE POLICY jobrunner_all ON agent_schedule USING (true);
+ALTER TABLE agent_schedule_trigger ENABLE ROW LEVEL SECURITY;
+ALTER TABLE agent_schedule_trigger FORCE ROW LEVEL SECURITY;
+CREATE POLICY jobrunner_all ON agent_schedule_trigger USING (true);
