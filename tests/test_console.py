@@ -716,7 +716,7 @@ def test_schedules_show_next_and_last_run_and_history_to_their_tenant(server, sc
     assert "ops/nightly-29412345/0a1b2c3d" in nightly and "ops/nightly-manual-now" in nightly
     assert "Runs of other schedules" not in page
     assert "ops/report" not in page  # (globex's)
-    assert "Trigger now" not in page  # (a read key sees no action)
+    assert 'class="trigger">Trigger now<' not in page  # (a read key sees no action)
     with client(server, server.key("*")) as c:
         page = c.get("/console/schedules").text
     report = _section(page, "ops/report")
@@ -738,7 +738,7 @@ def test_trigger_now_needs_an_admin_csrf_and_the_tenant_and_is_audited(server, s
     admin = server.key("acme", "admin")
     with client(server, admin) as c:
         page = c.get("/console/schedules").text
-        assert "Trigger now" in _section(page, "ops/nightly")
+        assert 'class="trigger">Trigger now<' in _section(page, "ops/nightly")
         token = csrf_of(page)
         assert c.post(url, data={}).status_code == 403
         assert c.post(url, data={"csrf": "0" * 64}).status_code == 403
