@@ -366,6 +366,8 @@ PLANS = {
     "console_api_batches": {"tenant_id": None, "limit": 100},
     "console_api_tenants": {"tenant_id": "plans"},
     "console_schedule_runs": {"tenant_id": None, "limit": 200},
+    "schedule_state_list": {"tenant_id": "plans", "limit": 500},
+    "schedule_trigger_list": {"tenant_id": "plans", "limit": 50},
 }
 
 
