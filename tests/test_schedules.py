@@ -289,3 +289,23 @@ def test_trigger_requests_are_taken_once_by_concurrent_polls(dsn):
     assert schedule_db.take(dsn, ["ops"], start) == 1 and started == [ids["s5"]]
     assert rows()["s5"][0] == "started"
     assert schedule_db.take(dsn, ["ops"], start) == 0
+
+
+def test_rows_of_schedules_deleted_while_the_controller_was_down_are_pruned(dsn, monkeypatch):
+    """The rows of schedules no daemon runs any more go, in the namespaces whose schedules
+    this controller runs; another namespace's rows are another controller's."""
+    from jobrunner.operator import schedule_db
+    from jobrunner.store import schedules
+
+    with psycopg.connect(dsn, autocommit=True) as c:
+        for ns, name in (("ops", "kept"), ("ops", "gone"), ("elsewhere", "theirs")):
+            schedules.put_state(c, schedules.ScheduleState(
+                ns, name, "acme", "@daily", None, False, "Allow", "Scheduled", "", None, None,
+                None, ()))
+    monkeypatch.setattr(schedule_db, "_registry", {("ops", "kept"): dsn,
+                                                   ("ops", "other-db"): "another dsn"})
+    assert schedule_db.prune(dsn) == [("ops", "gone")]
+    with psycopg.connect(dsn) as c:
+        left = c.execute("SELECT namespace, name FROM agent_schedule ORDER BY 1, 2").fetchall()
+    assert left == [("elsewhere", "theirs"), ("ops", "kept")]
+    assert schedule_db.prune(dsn) == []

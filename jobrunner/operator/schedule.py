@@ -83,8 +83,8 @@ async def run_schedule(stopped: kopf.DaemonStopped, namespace: str, name: str, u
 async def schedule_changed(uid: str, namespace: str, name: str, body: kopf.Body,
                            **kwargs: Any) -> None:
     """Spec, suspend, a trigger annotation: act now, not at the next start time. Deleted:
-    its row in the database goes (schedule_db.py); without a finalizer, so a controller
-    that is down when a schedule is deleted leaves the row behind."""
+    its row in the database goes (schedule_db.py). No finalizer: the row of a schedule
+    deleted while the controller was down is pruned by its database's poller."""
     if kwargs.get("type") == "DELETED":
         spec = dict(body.get("spec") or {})
         await asyncio.to_thread(schedule_db.deleted, namespace, name, spec)

@@ -32,6 +32,10 @@ from jobrunner.store.schedules import ScheduleState
 
 POLL = 2.0  # seconds between two polls of one database's trigger requests
 TAKE = 20  # requests answered per poll at most
+# Seconds between two prunes of the rows of schedules deleted while the controller was
+# down; the first one waits as long, so that every schedule's daemon has registered
+# after a restart (a row pruned too early is written again by its schedule's next pass).
+PRUNE = 60.0
 log = logging.getLogger("jobrunner.controller.schedules")
 
 # (namespace, name) -> the DSN of its template's database. DSNs are secrets: kept here,
@@ -128,10 +132,15 @@ def ensure_poller(namespace: str, name: str, start: Starter) -> None:
 
 
 async def _poll(dsn: str, start: Starter) -> None:
+    loop = asyncio.get_running_loop()
+    pruned = loop.time()
     try:
         while namespaces := _namespaces(dsn):
             try:
                 await asyncio.to_thread(take, dsn, namespaces, start)
+                if loop.time() - pruned >= PRUNE:
+                    pruned = loop.time()
+                    await asyncio.to_thread(prune, dsn)
             except DatabaseProblem as exc:
                 log.warning("schedule triggers: %s", exc)
             except psycopg.Error as exc:
@@ -141,6 +150,22 @@ async def _poll(dsn: str, start: Starter) -> None:
             await asyncio.sleep(POLL)
     finally:
         _pollers.pop(dsn, None)
+
+
+def prune(dsn: str) -> list[tuple[str, str]]:
+    """Delete this database's rows of schedules this controller does not run, in the
+    namespaces it runs schedules in: those deleted while it was down (their delete event
+    came to no one). Another controller's namespaces are not touched."""
+    with _lock:
+        kept = [where for where, d in _registry.items() if d == dsn]
+    namespaces = sorted({ns for ns, _ in kept})
+    with queue_for(dsn) as queue, queue.conn.transaction():
+        gone = store.prune_states(queue.conn, namespaces, kept)
+    for ns, name in gone:
+        _written.pop((ns, name), None)
+        log.info("schedule %s/%s: gone (deleted while the controller was down): its row "
+                 "deleted", ns, name)
+    return gone
 
 
 def take(dsn: str, namespaces: list[str], start: Starter) -> int:

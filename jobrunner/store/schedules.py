@@ -16,6 +16,7 @@ from jobrunner.store.session import Statement, run
 
 STATE_UPSERT = Statement("schedule_state_upsert")
 STATE_DELETE = Statement("schedule_state_delete")
+STATE_PRUNE = Statement("schedule_state_prune")
 STATE_GET = Statement("schedule_state_get")
 STATE_LIST = Statement("schedule_state_list")
 TRIGGER_INSERT = Statement("schedule_trigger_insert")
@@ -56,6 +57,16 @@ def put_state(conn: psycopg.Connection, state: ScheduleState) -> bool:
 
 def delete_state(conn: psycopg.Connection, namespace: str, name: str) -> None:
     run(conn, STATE_DELETE, {"namespace": namespace, "name": name})
+
+
+def prune_states(conn: psycopg.Connection, namespaces: Sequence[str],
+                 kept: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Delete the rows in these namespaces but those of `kept` (namespace, name) pairs;
+    returns the pairs deleted."""
+    rows = run(conn, STATE_PRUNE, {"namespaces": list(namespaces),
+                                   "kept_namespaces": [ns for ns, _ in kept],
+                                   "kept_names": [name for _, name in kept]}).fetchall()
+    return [(r["namespace"], r["name"]) for r in rows]
 
 
 def get_state(conn: psycopg.Connection, namespace: str, name: str, tenant_id: str | None

@@ -34,6 +34,16 @@ RETURNING s.updated_at;
 -- The schedule was deleted: its row goes (its triggers stay, with their outcomes).
 DELETE FROM agent_schedule WHERE namespace = %(namespace)s AND name = %(name)s;
 
+-- name: schedule_state_prune
+-- The rows, in the namespaces a controller runs schedules in, of schedules it does not run
+-- (deleted while it was down: the delete event it missed). The pairs are its registry.
+DELETE FROM agent_schedule s
+WHERE s.namespace = ANY (%(namespaces)s::text[])
+  AND NOT EXISTS (SELECT 1 FROM unnest(%(kept_namespaces)s::text[], %(kept_names)s::text[])
+                                AS k(namespace, name)
+                  WHERE k.namespace = s.namespace AND k.name = s.name)
+RETURNING s.namespace, s.name;
+
 -- name: schedule_state_get
 -- One schedule, if the viewer's tenant (NULL: any) may see it.
 SELECT s.namespace, s.name, s.tenant_id
