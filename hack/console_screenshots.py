@@ -11,6 +11,7 @@ Each PNG is quantised to 64 colours (Pillow) to stay small. Run it under the hea
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from jobrunner.local.embedded import EmbeddedPostgres, free_port
+from jobrunner.store import schedules
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "docs" / "console"
@@ -70,7 +72,7 @@ def status_count(dsn: str, batch: str, status: str) -> int:
 
 def setup(dsn: str, tmp: Path) -> None:
     """What the demo run does not make: dead tasks, a limit, a pool, an API batch, a
-    scheduled run."""
+    schedule with its runs and a trigger."""
     flag = tmp / "fail"
     flag.write_text("x")
     rows = [{"key": f"invoice-{i:02d}", "payload": {
@@ -105,6 +107,17 @@ def setup(dsn: str, tmp: Path) -> None:
                    ('batch_9d04b7', 'globex', 'file-g7', '/v1/chat/completions', '24h',
                     'qwen2.5-7b', 'in_progress', 500, 212, 0, now() + interval '1 day',
                     now() - interval '20 minutes')""")
+        # (what the controller writes of the schedule, and a console trigger it answered)
+        last = dt.datetime.fromtimestamp(stamp * 60, dt.UTC)
+        schedules.put_state(conn, schedules.ScheduleState(
+            "ops", "nightly", "acme", "0 3 * * *", "Europe/Paris", False, "Forbid",
+            "Scheduled", f"next start time {last + dt.timedelta(days=1):%Y-%m-%dT%H:%M:%SZ}"
+            " (0 3 * * * in Europe/Paris)", last + dt.timedelta(days=1), last, last, ()))
+        trigger = schedules.request_trigger(conn, namespace="ops", name="nightly",
+                                            tenant_id="acme", requested_by="demo")["id"]
+        schedules.answer_trigger(conn, trigger, outcome=schedules.STARTED,
+                                 run_name=f"nightly-manual-console-{trigger}",
+                                 message=f"started BatchRun nightly-manual-console-{trigger}")
 
 
 def browser() -> webdriver.Chrome:
