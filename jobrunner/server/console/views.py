@@ -518,7 +518,7 @@ async def pool_weight(request: Request) -> Response:
     return await run_in_threadpool(run)
 
 
-async def agent_schedule_trigger(request: Request) -> Response:
+async def trigger_schedule(request: Request) -> Response:
     """"Trigger now": a request the controller takes (this server has no Kubernetes
     access); the schedules page shows what became of it."""
     who, _form = await _action_viewer(request)
@@ -594,7 +594,7 @@ routes = [
         Route("/pools", pools_page),
         Route("/pools/{pool}/weight", pool_weight, methods=["POST"]),
         Route("/schedules", schedules_page),
-        Route("/schedules/{namespace}/{name}/trigger", agent_schedule_trigger, methods=["POST"]),
+        Route("/schedules/{namespace}/{name}/trigger", trigger_schedule, methods=["POST"]),
         Route("/api-batches", api_batches_page),
         Route("/events", events),
         Route("/events/stats", live_stats),
