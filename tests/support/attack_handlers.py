@@ -157,4 +157,5 @@ def attack_all(task: Task) -> dict:
         effects.close()
     return {"who": list(who), "own_rows": own_rows, "attempts": attempts,
             "env_dsns": sorted(k for k, v in os.environ.items()
-                               if "://" in v or "password=" in v)}
+                               if v.startswith(("postgres://", "postgresql://"))
+                               or "password=" in v)}
