@@ -611,7 +611,11 @@ def test_every_attack_of_issue_29_from_a_tenants_worker_fails_and_its_tasks_succ
     tenant_a, tenant_b = _login(install, "worker", ("a",)), _login(install, "worker", ("b",))
     owner, role_b = f"{install.prefix}_owner", conninfo_to_dict(tenant_b)["user"]
     target = {**attacks.seed_tenant_b(install.admin_dsn), "roles": [owner, role_b, install.user]}
-    before = attacks.tenant_b_rows(install.admin_dsn), attacks.schema(install.admin_dsn)
+    def witness() -> tuple:  # the superuser's view: b's rows, the schema, the roles
+        return (attacks.tenant_b_rows(install.admin_dsn),
+                attacks.schema(install.admin_dsn, install.prefix, install.user))
+
+    before = witness()
     with psycopg.connect(install.admin_dsn) as conn:
         Queue(conn).enqueue("batch-a", "a", [TaskSpec(f"a{i}", {"target": target})
                                              for i in range(2)])
@@ -631,4 +635,4 @@ def test_every_attack_of_issue_29_from_a_tenants_worker_fails_and_its_tasks_succ
                                  if got.get(k) != expected.get(k)}
         assert row["result"]["who"] == [conninfo_to_dict(tenant_a)["user"], False, False]
         assert row["result"]["own_rows"] == 2
-    assert (attacks.tenant_b_rows(install.admin_dsn), attacks.schema(install.admin_dsn)) == before
+    assert witness() == before

@@ -88,7 +88,7 @@ def test_a_hostile_handler_in_a_worker_pod_fails_at_everything_and_its_run_succe
     owner = f"{install.prefix}_owner"
     target = {**attacks.seed_tenant_b(install.admin_dsn), "roles": [owner, role_b, install.user]}
     b_before = attacks.tenant_b_rows(install.admin_dsn)
-    schema_before = attacks.schema(install.admin_dsn)
+    schema_before = attacks.schema(install.admin_dsn, install.prefix, install.user)
 
     apply_crds(k8s)
     create_db_secret(k8s, namespace, operator_dsn)  # jobrunner-db: the controller's
@@ -125,7 +125,7 @@ def test_a_hostile_handler_in_a_worker_pod_fails_at_everything_and_its_run_succe
 
     # The witness: b's rows and the schema, read by the superuser, as they were.
     assert attacks.tenant_b_rows(install.admin_dsn) == b_before
-    assert attacks.schema(install.admin_dsn) == schema_before
+    assert attacks.schema(install.admin_dsn, install.prefix, install.user) == schema_before
 
     transcript = [f"[attack] worker pod of tenant a (role {role_a}), {len(expected)} attempts"
                   f" x {TASKS} tasks, each refused; run {br['status']['phase']}"]

@@ -56,11 +56,16 @@ def tenant_b_rows(admin_dsn: str) -> dict[str, list]:
         return {t: conn.execute(q + " ORDER BY 1, 2").fetchall() for t, q in queries.items()}
 
 
-def schema(admin_dsn: str) -> list:
+def schema(admin_dsn: str, prefix: str, installer: str) -> list:
     """The schema an attacker would change: columns, functions, row-level security flags
-    and policies of the public schema, and the roles' memberships and attributes."""
+    and policies of the public schema; and the install's roles (those named `prefix`...
+    and the installing role: the server may be shared with tests making roles of their
+    own), their attributes and memberships."""
+    ours = ("(SELECT oid FROM pg_roles WHERE starts_with(rolname, %(prefix)s)"
+            " OR rolname = %(installer)s)")
     with psycopg.connect(admin_dsn) as conn:
-        return [conn.execute(q).fetchall() for q in (
+        return [conn.execute(q, {"prefix": prefix, "installer": installer}).fetchall()
+                for q in (
             "SELECT c.relname, a.attname, a.atttypid FROM pg_attribute a JOIN pg_class c"
             " ON c.oid = a.attrelid WHERE c.relnamespace = 'public'::regnamespace"
             " AND a.attnum > 0 AND NOT a.attisdropped ORDER BY 1, 2",
@@ -68,8 +73,10 @@ def schema(admin_dsn: str) -> list:
             "SELECT relname, relrowsecurity, relforcerowsecurity FROM pg_class"
             " WHERE relnamespace = 'public'::regnamespace ORDER BY 1",
             "SELECT polname, polrelid::regclass::text, polqual::text FROM pg_policy ORDER BY 1, 2",
-            "SELECT rolname, rolsuper, rolbypassrls, rolcreaterole FROM pg_roles ORDER BY 1",
-            "SELECT roleid, member, set_option FROM pg_auth_members ORDER BY 1, 2")]
+            "SELECT rolname, rolsuper, rolbypassrls, rolcreaterole, rolinherit FROM pg_roles"
+            f" WHERE oid IN {ours} ORDER BY 1",
+            "SELECT roleid::regrole::text, member::regrole::text, set_option, inherit_option"
+            f" FROM pg_auth_members WHERE roleid IN {ours} OR member IN {ours} ORDER BY 1, 2")]
 
 
 def expected(owner: str, role_b: str, installer: str) -> dict[str, str]:
