@@ -59,7 +59,8 @@ DDL = ("DROP TABLE agent_work_queue",
        "TRUNCATE agent_work_queue",
        "TRUNCATE agent_task_effect")
 
-# Another tenant's rows, named by what the attacker was told: each must read no row.
+# Another tenant's rows, named by what the attacker was told: each must read no row (the
+# archive: refused, it is not granted to workers at all).
 READS = ("SELECT payload FROM agent_work_queue WHERE tenant_id = %(tenant)s",
          "SELECT result FROM agent_work_queue WHERE id = %(done_id)s",
          "SELECT * FROM agent_batch WHERE batch_id = %(batch)s",
@@ -69,8 +70,9 @@ READS = ("SELECT payload FROM agent_work_queue WHERE tenant_id = %(tenant)s",
          "SELECT * FROM agent_task_key WHERE batch_id = %(batch)s",
          "SELECT * FROM agent_work_queue_archive WHERE tenant_id = %(tenant)s")
 
-# Writes to the other tenant's rows with plain SQL: each must change no row (or be
-# refused: the worker role may not delete effects at all).
+# Writes to the other tenant's rows with plain SQL: each must change no row, or be
+# refused (workers may not delete effects at all; an insert into another tenant fails
+# the policy's WITH CHECK).
 WRITES = ("UPDATE agent_work_queue SET status = 'done', result = '{\"forged\": 1}' "
           "WHERE id = %(task_id)s",
           "UPDATE agent_work_queue SET status = 'pending', attempts = 0 "
