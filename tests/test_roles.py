@@ -26,6 +26,7 @@ from jobrunner.store import roles
 from jobrunner.store.migrate import MigrationDenied, migrate
 from jobrunner.store.privileges import UnsafeBinding
 from jobrunner.store.sqlfiles import migrations, sql_dir
+from tests.support import attacks
 from tests.support.processes import cli, start_worker, wait_for
 
 HANDLER = "tests.support.handlers:noop"
@@ -618,3 +619,40 @@ def test_a_handler_attacking_from_inside_a_tenants_worker_fails_and_its_task_suc
         "ALTER TABLE agent_work_queue DISABLE ROW LEVEL SECURITY": "42501",
         f"set role {owner}": "42501", f"set role {conninfo_to_dict(other)['user']}": "42501",
         f"set role {install.user}": "42501"}
+
+
+def test_every_attack_of_issue_29_from_a_tenants_worker_fails_and_its_tasks_succeed(
+        install, tmp_path):
+    """tests/support/attack_handlers.py:attack_all in a worker process of tenant a (the
+    same handler and expectations as tests/e2e/test_attack_e2e.py, which runs it in a
+    worker pod on the real node): every attempt on tenant b refused or without effect,
+    b's rows and the schema as before, a's tasks done."""
+    _granted(install)
+    tenant_a, tenant_b = _login(install, "worker", ("a",)), _login(install, "worker", ("b",))
+    owner, role_b = f"{install.prefix}_owner", conninfo_to_dict(tenant_b)["user"]
+    target = {**attacks.seed_tenant_b(install.admin_dsn), "roles": [owner, role_b, install.user]}
+    def witness() -> tuple:  # the superuser's view: b's rows, the schema, the roles
+        return (attacks.tenant_b_rows(install.admin_dsn),
+                attacks.schema(install.admin_dsn, install.prefix, install.user))
+
+    before = witness()
+    with psycopg.connect(install.admin_dsn) as conn:
+        Queue(conn).enqueue("batch-a", "a", [TaskSpec(f"a{i}", {"target": target})
+                                             for i in range(2)])
+        conn.commit()
+    log = tmp_path / "w.log"
+    worker = start_worker(tenant_a, "batch-a", "tests.support.attack_handlers:attack_all",
+                          "--exit-when-drained", log=log)
+    assert worker.wait(120) == 0, log.read_text()
+    with psycopg.connect(install.admin_dsn, row_factory=dict_row) as conn:
+        own = conn.execute("SELECT status, result FROM agent_work_queue"
+                           " WHERE tenant_id = 'a'").fetchall()
+    expected = attacks.expected(owner, role_b, install.user)
+    assert [r["status"] for r in own] == ["done", "done"], own
+    for row in own:
+        got = {what: outcome for what, outcome, _ in row["result"]["attempts"]}
+        assert got == expected, {k: (got.get(k), expected.get(k)) for k in {**expected, **got}
+                                 if got.get(k) != expected.get(k)}
+        assert row["result"]["who"] == [conninfo_to_dict(tenant_a)["user"], False, False]
+        assert row["result"]["own_rows"] == 2
+    assert witness() == before
