@@ -45,7 +45,8 @@ def guarded_binding(k8s, ns: str) -> dict:
 # worst order the namespace controller may pick: without the binding's finalizer it
 # always left the namespace Terminating); `namespace` leaves the order to the namespace
 # controller; `controller-down` deletes the namespace while no controller runs and starts
-# one 10 s later (the binding must still grant then).
+# one once the namespace controller marked the BatchRun and the binding (which must still
+# grant then).
 @pytest.mark.parametrize("order", ["rbac-first", "namespace", "controller-down"])
 def test_namespace_deletion_with_namespaced_rbac(k8s, dsn, tmp_path, order):
     ns = "gone-ns-" + str(int(time.time() * 1000))[-7:]
@@ -70,8 +71,18 @@ def test_namespace_deletion_with_namespaced_rbac(k8s, dsn, tmp_path, order):
         if order == "controller-down":
             controller.kill()
             k8s.kubectl("delete", "namespace", ns, "--wait=false")
-            time.sleep(10)
-            # nothing finalizes meanwhile; the binding is marked but still there
+            # The namespace controller deletes the pods first and the rest once they are
+            # gone (OrderedNamespaceDeletion): wait until it marked both, then 5 s more.
+            # Nothing finalizes meanwhile; the binding is marked but still there.
+            deadline = time.monotonic() + 90
+            while True:
+                left = json.loads(k8s.kubectl("get", "batchruns,rolebindings", "-n", ns,
+                                              "-o", "json").stdout)["items"]
+                if all(i["metadata"].get("deletionTimestamp") for i in left) or (
+                        time.monotonic() > deadline):
+                    break
+                time.sleep(1)
+            time.sleep(5)
             left = json.loads(k8s.kubectl("get", "batchruns,rolebindings", "-n", ns, "-o",
                                           "json").stdout)["items"]
             assert {i["kind"] for i in left} == {"BatchRun", "RoleBinding"}, left
