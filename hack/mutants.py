@@ -165,13 +165,11 @@ MUTANTS: tuple[Mutant, ...] = (
                         "      AND q.lease_owner = %(worker_id)s\n"
                         "      AND q.status || '' = 'leased'  -- by primary key, never the "
                         "leased index: see Plans\n    RETURNING q.id, q.tenant_id, q.shard_key,"
-                        " q.limits\n),\nslots_freed AS (\n    DELETE FROM agent_limit_lease s "
-                        "USING released_tasks r",
+                        " q.limits, q.batch_id,",
                  "      AND q.attempts = t.attempt\n"
                  "      AND q.status || '' = 'leased'  -- by primary key, never the "
                  "leased index: see Plans\n    RETURNING q.id, q.tenant_id, q.shard_key,"
-                 " q.limits\n),\nslots_freed AS (\n    DELETE FROM agent_limit_lease s "
-                 "USING released_tasks r"),),
+                 " q.limits, q.batch_id,"),),
            ("tests/test_queue.py", "-k", "release_does_not_burn")),
     Mutant("once-outside-the-lease-check",
            "task.once re-checks the lease: a worker that lost it cannot apply the effect",

@@ -503,6 +503,22 @@ WITH (autovacuum_vacuum_scale_factor='0.0', autovacuum_vacuum_threshold='500');
 
 ALTER TABLE ONLY public.agent_shard_lease FORCE ROW LEVEL SECURITY;
 
+CREATE TABLE public.agent_task_attempt (
+    task_id bigint NOT NULL,
+    attempt integer NOT NULL,
+    ended_at timestamp with time zone DEFAULT now() NOT NULL,
+    batch_id text NOT NULL,
+    tenant_id text NOT NULL,
+    worker text,
+    started_at timestamp with time zone,
+    outcome text NOT NULL,
+    status text NOT NULL,
+    error text,
+    CONSTRAINT agent_task_attempt_outcome_check CHECK ((outcome = ANY (ARRAY['failed'::text, 'rate_limited'::text, 'released'::text, 'expired'::text])))
+);
+
+ALTER TABLE ONLY public.agent_task_attempt FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.agent_task_effect (
     batch_id text NOT NULL,
     task_key text NOT NULL,
@@ -563,7 +579,8 @@ CREATE TABLE public.agent_work_queue (
     throttles integer,
     pool text,
     vtag double precision,
-    trace_context jsonb
+    trace_context jsonb,
+    leased_at timestamp with time zone
 )
 WITH (autovacuum_vacuum_scale_factor='0.01', autovacuum_vacuum_threshold='1000', autovacuum_analyze_scale_factor='0.02', autovacuum_vacuum_cost_limit='2000', fillfactor='80');
 
@@ -601,7 +618,8 @@ CREATE TABLE public.agent_work_queue_archive (
     throttles integer,
     pool text,
     vtag double precision,
-    trace_context jsonb
+    trace_context jsonb,
+    leased_at timestamp with time zone
 );
 
 ALTER TABLE ONLY public.agent_work_queue_archive FORCE ROW LEVEL SECURITY;
@@ -751,6 +769,9 @@ ALTER TABLE ONLY public.agent_schedule_trigger
 ALTER TABLE ONLY public.agent_shard_lease
     ADD CONSTRAINT agent_shard_lease_pkey PRIMARY KEY (tenant_id, shard_key);
 
+ALTER TABLE ONLY public.agent_task_attempt
+    ADD CONSTRAINT agent_task_attempt_pkey PRIMARY KEY (task_id, attempt, ended_at);
+
 ALTER TABLE ONLY public.agent_task_effect
     ADD CONSTRAINT agent_task_effect_pkey PRIMARY KEY (batch_id, task_key, effect_key);
 
@@ -852,6 +873,8 @@ ALTER TABLE public.agent_schedule_trigger ENABLE ROW LEVEL SECURITY;
 
 ALTER TABLE public.agent_shard_lease ENABLE ROW LEVEL SECURITY;
 
+ALTER TABLE public.agent_task_attempt ENABLE ROW LEVEL SECURITY;
+
 ALTER TABLE public.agent_task_effect ENABLE ROW LEVEL SECURITY;
 
 ALTER TABLE public.agent_task_key ENABLE ROW LEVEL SECURITY;
@@ -887,6 +910,8 @@ CREATE POLICY jobrunner_all ON public.agent_schedule USING (true);
 CREATE POLICY jobrunner_all ON public.agent_schedule_trigger USING (true);
 
 CREATE POLICY jobrunner_all ON public.agent_shard_lease USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_task_attempt USING (true);
 
 CREATE POLICY jobrunner_all ON public.agent_task_effect USING (true);
 

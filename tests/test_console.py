@@ -18,6 +18,9 @@ import httpx
 import psycopg
 import pytest
 
+from jobrunner.model.types import Outcome, Timing
+from jobrunner.model.validation import TaskSpec
+from jobrunner.queue.client import Queue
 from jobrunner.server.console.filters import FilterError, TaskFilter, parse_payload
 from jobrunner.store.sqlfiles import query
 from tests.support.console import (
@@ -332,9 +335,16 @@ def big(module_dsn: str) -> str:
             WHERE batch_id IN (SELECT 'plan-' || g FROM generate_series(1, 50) g);
             INSERT INTO agent_pool_tenant (pool, tenant_id, weight)
             VALUES ('plans-pool', 'plans', 2), ('plans-pool', 'other', 1);
+            -- (three ended attempts per task of the big batch)
+            INSERT INTO agent_task_attempt (task_id, attempt, ended_at, batch_id, tenant_id,
+                                            worker, started_at, outcome, status, error)
+            SELECT q.id, a, now() - make_interval(mins => 10 - a), q.batch_id, q.tenant_id,
+                   'w', now() - make_interval(mins => 11 - a), 'failed', 'pending', 'boom'
+            FROM agent_work_queue q, generate_series(1, 3) a WHERE q.batch_id = 'plan-0';
             """)
         # (as autovacuum would: the visibility map lets the counts be index-only scans)
-        for table in ("agent_work_queue", "agent_task_key", "agent_batch"):
+        for table in ("agent_work_queue", "agent_task_key", "agent_batch",
+                      "agent_task_attempt"):
             conn.execute(f"VACUUM ANALYZE {table}")
     return module_dsn
 
@@ -358,6 +368,7 @@ PLANS = {
                                  "contains": '{"doc": "csv"}', "cap": 10001,
                                  "shard": "s1", "min_attempts": None, "error": "429"},
     "task_list_dead_recent": {"tenant_id": "plans", "limit": 100},
+    "task_attempt_list": {"task_id": 17, "limit": 100},
     "console_batch_sample": {"batch_id": "plan-0", "sample": 5000},
     "console_batch_results": {"batch_id": "plan-0", "limit": 5, "scan": 5000, "chars": 300},
     "console_batch_reduce": {"batch_id": "plan-0", "chars": 300},
@@ -381,6 +392,7 @@ def test_console_reads_are_index_scans_never_a_scan_of_the_task_table(big, name)
     print(f"--- {name}\n{plan}")
     assert "Seq Scan on agent_work_queue" not in plan, plan
     assert "Seq Scan on agent_task_key" not in plan, plan
+    assert "Seq Scan on agent_task_attempt" not in plan, plan
 
 
 def test_an_admin_cancels_a_batch_and_exports_are_streamed(server, dead_batch):
@@ -778,3 +790,67 @@ def test_trigger_now_needs_an_admin_csrf_and_the_tenant_and_is_audited(server, s
         ("acme", None, {"namespace": "ops", "name": "nightly", "trigger": trigger}, 1)]
     with client(server, server.key("globex")) as c:  # (acme's request is not globex's)
         assert f'data-trigger="{trigger}"' not in c.get("/console/schedules").text
+
+
+def test_the_task_page_lists_every_attempt_with_its_worker_times_and_error(server):
+    """Five attempts of one task, each ended another way (failed, rate limited, released,
+    expired, acked) by a different worker: the task page lists all five, oldest first,
+    with the worker that held each, how it ended and its error; each start is its
+    claim's, not a later heartbeat's (the test's own clock around each call is the
+    witness: one machine, one clock)."""
+    batch = "acme-attempts"
+    witness: list[tuple[str, float, float, float, float]] = []  # worker, claim, end spans
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        queue = Queue(conn, Timing(visibility_timeout=1.0, backoff_base=0.0))
+        queue.enqueue(batch, "acme", [TaskSpec("t", {"doc": "x"})])
+
+        def claim(who: str):
+            before = time.time()
+            (lease,) = queue.claim(batch, who)
+            return lease, before, time.time()
+
+        def ended(who: str, spans: tuple, end) -> None:
+            before = time.time()
+            end()
+            witness.append((who, spans[1], spans[2], before, time.time()))
+
+        lease, *span = claim("w1")
+        time.sleep(0.3)  # a heartbeat later than the claim moves updated_at, not the start
+        assert queue.heartbeat("w1", [lease]) == {lease.id}
+        ended("w1", (lease, *span), lambda: queue.fail("w1", lease, "ValueError: first"))
+        lease, *span = claim("w2")
+        ended("w2", (lease, *span), lambda: queue.complete(
+            "w2", [Outcome(lease, False, error="HTTP 429: slow down", throttle_after=0.0)]))
+        lease, *span = claim("w3")
+        ended("w3", (lease, *span), lambda: queue.release("w3", [lease]))
+        lease, *span = claim("w4")
+        time.sleep(1.3)  # (its lease of 1 s runs out)
+        ended("w4", (lease, *span), lambda: queue.expire())
+        # (any worker's sweep may rescue it: the other tests' workers share the database;
+        # it ends from the lease's deadline on)
+        witness[-1] = (*witness[-1][:3], lease.locked_until.timestamp(), witness[-1][4])
+        lease, *span = claim("w5")
+        ended("w5", (lease, *span), lambda: queue.ack("w5", lease, {"ok": True}))
+        rows = conn.execute(
+            "SELECT worker, started_at, ended_at FROM agent_task_attempt WHERE batch_id = %s"
+            " ORDER BY ended_at", (batch,)).fetchall()
+        final = conn.execute("SELECT lease_owner, leased_at, finished_at FROM agent_work_queue"
+                             " WHERE batch_id = %s", (batch,)).fetchone()
+
+    recorded = [*rows, final]
+    assert [r[0] for r in recorded] == ["w1", "w2", "w3", "w4", "w5"]
+    # One clock: the database's now() (its transaction's start, in microseconds) is read
+    # after the call began and before it returned; the slack is rounding only.
+    slack = 0.001
+    for (who, c0, c1, e0, e1), (_, started, finished) in zip(witness, recorded, strict=True):
+        assert c0 - slack <= started.timestamp() <= c1 + slack, who
+        assert e0 - slack <= finished.timestamp() <= e1 + slack, who
+
+    with client(server, server.key("acme")) as c:
+        page = c.get(f"/console/batches/{batch}/tasks/t").text
+    shown = re.findall(r'<tr class="attempt outcome-([a-z_]+)"><td class="num">(\d+)</td>'
+                       r'<td>([^<]*)</td>', page)
+    assert shown == [("failed", "1", "w1"), ("rate_limited", "2", "w2"),
+                     ("released", "2", "w3"), ("expired", "2", "w4"), ("acked", "3", "w5")]
+    assert "ValueError: first" in page and "HTTP 429: slow down" in page
+    assert "lease expired: w4 did not heartbeat" in page

@@ -13,7 +13,6 @@ import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -23,10 +22,11 @@ from psycopg.rows import dict_row
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from jobrunner.store import privileges, roles
+from jobrunner.store import roles
 from jobrunner.store.migrate import MigrationDenied, migrate
 from jobrunner.store.privileges import UnsafeBinding
 from jobrunner.store.sqlfiles import migrations, sql_dir
+from tests.support import attacks
 from tests.support.processes import cli, start_worker, wait_for
 
 HANDLER = "tests.support.handlers:noop"
@@ -66,6 +66,31 @@ def install(pg_admin_dsn: str) -> Iterator[Install]:
 def _granted(install: Install) -> roles.GrantReport:
     with psycopg.connect(install.dsn) as conn:
         return roles.grant(conn, install.prefix)
+
+
+def _granted_on_an_older_schema(install: Install) -> None:
+    """Today's grants on a schema of an earlier migration: a table a later migration
+    makes stands in as an empty stub while granting (the grants name every table by
+    name), and is dropped after."""
+    text = (sql_dir() / "grants" / "privileges.sql").read_text()
+
+    def named(kind: str) -> list[str]:
+        found = re.search(rf"REVOKE ALL ON {kind}(.*?)\sFROM", text, re.S).group(1)
+        return [t.strip() for t in found.split(",")]
+
+    with psycopg.connect(install.dsn) as conn:
+        migrate(conn)
+        later = [(kind, t) for kind, names in (("TABLE", named("")),
+                                               ("SEQUENCE", named("SEQUENCE ")))
+                 for t in names
+                 if conn.execute("SELECT to_regclass(%s) IS NULL", (t,)).fetchone()[0]]
+        for kind, t in later:
+            conn.execute(sql.SQL("CREATE {} {}" + (" ()" if kind == "TABLE" else "")).format(
+                sql.SQL(kind), sql.Identifier(t)))
+        roles.grant(conn, install.prefix)
+        for kind, t in later:
+            conn.execute(sql.SQL("DROP {} {}").format(sql.SQL(kind), sql.Identifier(t)))
+        conn.commit()
 
 
 def _login(install: Install, component: str, tenants: tuple[str, ...] = (),
@@ -502,35 +527,15 @@ def test_a_table_a_later_migration_protects_is_covered_after_migrate(
             ("batch-a",)]
 
 
-def _privileges_without(tmp_path: Path, absent: set[str]) -> Path:
-    """A copy of sql/grants/privileges.sql that does not name these objects (a database
-    migrated to an older version has none of them), in tmp_path/grants/."""
-    statements = []
-    for statement in (sql_dir() / "grants" / "privileges.sql").read_text().split(";\n"):
-        for name in sorted(absent, key=len, reverse=True):
-            statement = re.sub(rf",\s*\b{name}\b(?!\w)", "", statement)
-            statement = re.sub(rf"\b{name}\b,\s*", "", statement)
-        if not any(re.search(rf"\bON (SEQUENCE )?{name}\b(?!\w) ", statement)
-                   for name in absent):
-            statements.append(statement)
-    (tmp_path / "grants").mkdir(exist_ok=True)
-    (tmp_path / "grants" / "privileges.sql").write_text(";\n".join(statements))
-    return tmp_path
-
-
 def test_an_install_bound_before_the_per_role_policies_is_bound_after_upgrading(
-        install, monkeypatch, tmp_path):
+        install, monkeypatch):
     """Bindings made under migration 0022's policies (by session_user) are given their
     per-role policies by the migration that replaces them (0026), in its transaction."""
     from jobrunner.store import migrate as migrate_module
 
     older = tuple(m for m in migrations() if m.version < 26)
     monkeypatch.setattr(migrate_module, "migrations", lambda: older)
-    # (the grants of then: today's file names the tables of later migrations too)
-    monkeypatch.setattr(privileges, "sql_dir", lambda: _privileges_without(
-        tmp_path, {"agent_schedule", "agent_schedule_trigger",
-                   "agent_schedule_trigger_id_seq"}))
-    _granted(install)
+    _granted_on_an_older_schema(install)
     with psycopg.connect(install.admin_dsn) as conn:
         # (rows as the schema of then holds them: today's enqueue writes columns that later
         # migrations added)
@@ -620,3 +625,40 @@ def test_a_handler_attacking_from_inside_a_tenants_worker_fails_and_its_task_suc
         "ALTER TABLE agent_work_queue DISABLE ROW LEVEL SECURITY": "42501",
         f"set role {owner}": "42501", f"set role {conninfo_to_dict(other)['user']}": "42501",
         f"set role {install.user}": "42501"}
+
+
+def test_every_attack_of_issue_29_from_a_tenants_worker_fails_and_its_tasks_succeed(
+        install, tmp_path):
+    """tests/support/attack_handlers.py:attack_all in a worker process of tenant a (the
+    same handler and expectations as tests/e2e/test_attack_e2e.py, which runs it in a
+    worker pod on the real node): every attempt on tenant b refused or without effect,
+    b's rows and the schema as before, a's tasks done."""
+    _granted(install)
+    tenant_a, tenant_b = _login(install, "worker", ("a",)), _login(install, "worker", ("b",))
+    owner, role_b = f"{install.prefix}_owner", conninfo_to_dict(tenant_b)["user"]
+    target = {**attacks.seed_tenant_b(install.admin_dsn), "roles": [owner, role_b, install.user]}
+    def witness() -> tuple:  # the superuser's view: b's rows, the schema, the roles
+        return (attacks.tenant_b_rows(install.admin_dsn),
+                attacks.schema(install.admin_dsn, install.prefix, install.user))
+
+    before = witness()
+    with psycopg.connect(install.admin_dsn) as conn:
+        Queue(conn).enqueue("batch-a", "a", [TaskSpec(f"a{i}", {"target": target})
+                                             for i in range(2)])
+        conn.commit()
+    log = tmp_path / "w.log"
+    worker = start_worker(tenant_a, "batch-a", "tests.support.attack_handlers:attack_all",
+                          "--exit-when-drained", log=log)
+    assert worker.wait(120) == 0, log.read_text()
+    with psycopg.connect(install.admin_dsn, row_factory=dict_row) as conn:
+        own = conn.execute("SELECT status, result FROM agent_work_queue"
+                           " WHERE tenant_id = 'a'").fetchall()
+    expected = attacks.expected(owner, role_b, install.user)
+    assert [r["status"] for r in own] == ["done", "done"], own
+    for row in own:
+        got = {what: outcome for what, outcome, _ in row["result"]["attempts"]}
+        assert got == expected, {k: (got.get(k), expected.get(k)) for k in {**expected, **got}
+                                 if got.get(k) != expected.get(k)}
+        assert row["result"]["who"] == [conninfo_to_dict(tenant_a)["user"], False, False]
+        assert row["result"]["own_rows"] == 2
+    assert witness() == before

@@ -19,8 +19,15 @@ from jobrunner.features import status as batch_status
 from jobrunner.features.manifest import BatchRunSpec, parse_batchrun
 from jobrunner.model.errors import BadInput, UnknownBatch
 from jobrunner.operator import batchrun_pools as pool_runs
-from jobrunner.operator import flowcontrol, kube, kueue, metrics, pods, tenancy
-from jobrunner.operator.config import CONFIG, GROUP, PLURAL, VERSION, worker_secret
+from jobrunner.operator import flowcontrol, kube, kueue, metrics, pods, rbacguard, tenancy
+from jobrunner.operator.config import (
+    CONFIG,
+    FINALIZER,
+    GROUP,
+    PLURAL,
+    VERSION,
+    worker_secret,
+)
 from jobrunner.operator.database import DatabaseProblem, queue_for, read_dsn
 from jobrunner.operator.jobs import api_error_detail, build_job, default_batch_id, job_name
 from jobrunner.operator.kube import ApiError, plain
@@ -39,7 +46,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix="jobrunner.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="jobrunner.dev", key="last-handled-configuration")
-    settings.persistence.finalizer = "jobrunner.dev/cancel-pending-tasks"
+    settings.persistence.finalizer = FINALIZER
     # Only warnings become Events by themselves; milestones are posted explicitly.
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = "jobrunner-controller"
@@ -109,13 +116,14 @@ def cancel_pending(body: kopf.Body, status: kopf.Status, retry: int, **_: Any) -
     """
     ns, name = body.metadata.namespace, body.metadata.name
     metrics.forget(ns, name)
+    rbacguard.nudge(ns)  # its namespace's RoleBinding may be waiting for this run to go
     batch_id = (status or {}).get("batchId")
     if not batch_id:
         return
     try:
         run = _parse(body)
         secret, key = _db_secret(run)
-        with queue_for(read_dsn(ns, secret, key)) as queue:
+        with queue_for(read_dsn(ns, secret, key, last_known=True)) as queue:
             cancelled = queue.cancel(batch_id)
     except UnknownBatch:
         return

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 GROUP, VERSION, PLURAL = "jobrunner.dev", "v1alpha1", "batchruns"
 POOL_PLURAL = "workerpools"
+SCHEDULE_PLURAL = "batchrunschedules"
+# kopf's finalizer on every BatchRun, WorkerPool and BatchRunSchedule it handles.
+FINALIZER = "jobrunner.dev/cancel-pending-tasks"
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ class Config:
     # Worker pods serve their Prometheus metrics on this port (chart value
     # worker.metricsPort; 0: not at all): docs/observability.md.
     worker_metrics_port: int = 0
+    # Namespaced RBAC: the controller's RoleBinding (this name) in each of these namespaces
+    # carries the finalizer the controller drops once nothing there needs it
+    # (operator/rbacguard.py). None: no guarded binding (cluster-wide, or one namespace).
+    rbac_guard: str | None = None
+    rbac_guard_namespaces: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls) -> Config:
@@ -56,6 +64,10 @@ class Config:
             bind_tenants=env.get("JOBRUNNER_BIND_TENANTS", "").lower() in ("1", "true", "yes"),
             allowed_tenants=_tenants(env.get("JOBRUNNER_ALLOWED_TENANTS", "")),
             worker_metrics_port=int(env.get("JOBRUNNER_WORKER_METRICS_PORT") or 0),
+            rbac_guard=env.get("JOBRUNNER_RBAC_GUARD") or None,
+            rbac_guard_namespaces=tuple(
+                n.strip() for n in env.get("JOBRUNNER_RBAC_GUARD_NAMESPACES", "").split(",")
+                if n.strip()),
         )
 
 

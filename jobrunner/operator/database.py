@@ -35,7 +35,11 @@ _migrated: set[str] = set()
 _lock = threading.Lock()
 
 
-def read_dsn(namespace: str, secret_name: str, key: str) -> str:
+def read_dsn(namespace: str, secret_name: str, key: str, *, last_known: bool = False) -> str:
+    """The DSN in the Secret (cached for _SECRET_TTL). `last_known`: if the Secret cannot
+    be read any more (deleted, or access gone), the DSN this process last read from it,
+    however old: a deleted namespace may take its Secret before the BatchRuns'
+    finalizers ran, and those only cancel the deleted runs' pending tasks with it."""
     cache_key = (namespace, secret_name, key)
     cached = _secrets.get(cache_key)
     if cached and time.monotonic() - cached[0] < _SECRET_TTL:
@@ -43,7 +47,10 @@ def read_dsn(namespace: str, secret_name: str, key: str) -> str:
     try:
         secret = read_secret(namespace, secret_name)
     except ApiError as exc:
-        _secrets.pop(cache_key, None)
+        # The stale entry stays (never used by a plain read: it is past its TTL) for a
+        # finalizer's last_known read, whatever read the Secret first since it went.
+        if last_known and cached and exc.status in (403, 404):
+            return cached[1]
         if exc.status == 404:
             raise DatabaseProblem("SecretNotFound",
                                   f"Secret {namespace}/{secret_name} does not exist") from None

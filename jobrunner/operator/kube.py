@@ -249,6 +249,19 @@ def json_patch_deployment(namespace: str, name: str, ops: list[dict[str, Any]]
                    content_type=JSON_PATCH)
 
 
+# ------------------------------------------------------------------ rbac.authorization.k8s.io
+def read_role_binding(namespace: str, name: str) -> dict[str, Any]:
+    return request("GET", _ns(namespace, "rolebindings", name,
+                              group="rbac.authorization.k8s.io"))
+
+
+def patch_role_binding(namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch (its metadata: the controller only ever changes finalizers)."""
+    return request("PATCH", _ns(namespace, "rolebindings", name,
+                                group="rbac.authorization.k8s.io"),
+                   body=patch, content_type=MERGE_PATCH)
+
+
 # ------------------------------------------------------------------ custom objects
 def get_custom(group: str, version: str, namespace: str, plural: str, name: str
                ) -> dict[str, Any]:

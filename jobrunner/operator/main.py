@@ -10,7 +10,8 @@ import kopf
 
 from jobrunner.model.logs import setup_logging
 from jobrunner.observability import tracing
-from jobrunner.operator import metrics
+from jobrunner.operator import metrics, rbacguard
+from jobrunner.operator.config import CONFIG
 
 # Importing registers the handlers (login, BatchRun, BatchRunSchedule, WorkerPool) in
 # kopf's default registry: without these imports kopf.run() starts with none of them.
@@ -49,6 +50,10 @@ def main(argv: list[str] | None = None) -> None:
                         default=int(os.environ.get("JOBRUNNER_HEALTH_PORT", "8081")))
     parser.add_argument("--log-format", default=os.environ.get("JOBRUNNER_LOG_FORMAT", "json"))
     parser.add_argument("--log-level", default=os.environ.get("JOBRUNNER_LOG_LEVEL", "info"))
+    parser.add_argument("--release-rbac-guard", action="store_true",
+                        help="drop the finalizer of the controller's RoleBindings "
+                             "($JOBRUNNER_RBAC_GUARD in $JOBRUNNER_RBAC_GUARD_NAMESPACES) and "
+                             "exit: the chart's pre-delete hook")
     tracing.configure("jobrunner-controller")  # if OTEL_* asks for traces
     args = parser.parse_args(argv)
 
@@ -59,16 +64,29 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("kopf").setLevel(args.log_level.upper())
     logging.getLogger("kopf.objects").addFilter(_QuietTimer())
 
+    if args.release_rbac_guard:
+        released = (rbacguard.release_all(CONFIG.rbac_guard_namespaces, CONFIG.rbac_guard)
+                    if CONFIG.rbac_guard else [])
+        logging.getLogger("jobrunner.controller").info(
+            "RoleBinding %s: finalizer dropped in %d namespace(s): %s", CONFIG.rbac_guard,
+            len(released), ", ".join(released) or "none")
+        return
+
     metrics.serve(args.metrics_port)
-    kopf.run(
-        clusterwide=clusterwide,
-        namespaces=[] if clusterwide else [n.strip() for n in namespaces],
-        standalone=args.standalone,
-        peering_name=None if args.standalone else args.peering,
-        priority=args.priority,
-        liveness_endpoint=(f"http://0.0.0.0:{args.health_port}/healthz"
-                           if args.health_port else None),
-    )
+    if CONFIG.rbac_guard and not clusterwide:
+        rbacguard.start(CONFIG.rbac_guard_namespaces, CONFIG.rbac_guard)
+    try:
+        kopf.run(
+            clusterwide=clusterwide,
+            namespaces=[] if clusterwide else [n.strip() for n in namespaces],
+            standalone=args.standalone,
+            peering_name=None if args.standalone else args.peering,
+            priority=args.priority,
+            liveness_endpoint=(f"http://0.0.0.0:{args.health_port}/healthz"
+                               if args.health_port else None),
+        )
+    finally:
+        rbacguard.stop()
 
 
 if __name__ == "__main__":

@@ -50,12 +50,13 @@ _lock = threading.Lock()
 Starter = Callable[[dict[str, Any]], tuple[str, str | None, str]]
 
 
-def template_dsn(namespace: str, spec: dict[str, Any]) -> str:
-    """The DSN of the database the schedule's runs use (DatabaseProblem if unreadable)."""
+def template_dsn(namespace: str, spec: dict[str, Any], *, last_known: bool = False) -> str:
+    """The DSN of the database the schedule's runs use (DatabaseProblem if unreadable;
+    `last_known`: the one last read if the Secret went, as read_dsn)."""
     database = (((spec.get("batchRunTemplate") or {}).get("spec") or {}).get("database")
                 or {})
     return read_dsn(namespace, database.get("secretName") or CONFIG.default_secret_name,
-                    database.get("key") or CONFIG.default_secret_key)
+                    database.get("key") or CONFIG.default_secret_key, last_known=last_known)
 
 
 def record(namespace: str, name: str, spec: dict[str, Any], state: ScheduleState | None
@@ -95,10 +96,11 @@ def forget(namespace: str, name: str) -> None:
 
 
 def deleted(namespace: str, name: str, spec: dict[str, Any]) -> None:
-    """The schedule was deleted: its row goes too."""
+    """The schedule was deleted: its row goes too (also when its namespace's deletion
+    took the Secret first: with the DSN last read from it)."""
     forget(namespace, name)
     try:
-        _delete(template_dsn(namespace, spec), namespace, name)
+        _delete(template_dsn(namespace, spec, last_known=True), namespace, name)
     except DatabaseProblem as exc:
         log.warning("schedule %s/%s deleted; its row stays: %s", namespace, name, exc)
 

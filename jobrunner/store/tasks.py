@@ -37,6 +37,7 @@ LIST_DEAD = Statement("task_list_dead")
 PAGE = Statement("task_page")
 PAGE_FAILED = Statement("task_page_failed")
 GET_BY_KEY = Statement("task_get_by_key")
+ATTEMPT_LIST = Statement("task_attempt_list")
 COUNT_DEAD_MATCHING = Statement("task_count_dead_matching")
 REQUEUE_DEAD_MATCHING = Statement("task_requeue_dead_matching")
 LIST_DEAD_RECENT = Statement("task_list_dead_recent")
@@ -188,6 +189,12 @@ def page_failed(conn: psycopg.Connection, batch_id: str, *, status: str, after_i
 def get_by_key(conn: psycopg.Connection, batch_id: str, task_key: str
                ) -> dict[str, Any] | None:
     return run(conn, GET_BY_KEY, {"batch_id": batch_id, "task_key": task_key}).fetchone()
+
+
+def attempt_list(conn: psycopg.Connection, task_id: int, limit: int
+                 ) -> list[dict[str, Any]]:
+    """A task's newest `limit` attempts that ended without an ack, newest first."""
+    return run(conn, ATTEMPT_LIST, {"task_id": task_id, "limit": limit}).fetchall()
 
 
 def count_dead_matching(conn: psycopg.Connection, batch_id: str, *, task_key: str | None,

@@ -14,6 +14,7 @@
 REVOKE ALL ON agent_batch, agent_batch_usage, agent_limit, agent_limit_lane,
     agent_limit_lease, agent_pool, agent_pool_stream, agent_pool_tenant,
     agent_pool_tenant_usage, agent_schedule, agent_schedule_trigger, agent_shard_lease,
+    agent_task_attempt,
     agent_task_effect, agent_task_key, agent_task_usage, agent_work_queue,
     agent_work_queue_archive, api_batch, api_file, api_file_chunk, api_key, console_audit,
     jobrunner_component_role, jobrunner_schema_migrations, jobrunner_tenant_role
@@ -67,6 +68,8 @@ GRANT SELECT, INSERT, UPDATE ON agent_work_queue, agent_batch, agent_task_effect
     agent_task_usage, agent_batch_usage, agent_pool, agent_pool_stream,
     agent_pool_tenant_usage TO {worker};
 GRANT SELECT, INSERT ON agent_task_key TO {worker};
+-- (an attempt that ends without an ack is written down by the statement that ends it)
+GRANT INSERT ON agent_task_attempt TO {worker};
 GRANT SELECT ON agent_pool_tenant, jobrunner_schema_migrations TO {worker};
 GRANT SELECT, UPDATE ON agent_limit, agent_limit_lane TO {worker};
 GRANT SELECT, INSERT, DELETE ON agent_limit_lease TO {worker};
@@ -89,6 +92,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON agent_work_queue, agent_batch, agent_tas
     agent_task_usage, agent_batch_usage, agent_limit, agent_limit_lane, agent_limit_lease,
     agent_pool, agent_pool_stream, agent_pool_tenant, agent_pool_tenant_usage TO {operator};
 GRANT SELECT, DELETE ON agent_task_effect TO {operator};
+GRANT SELECT, INSERT, DELETE ON agent_task_attempt TO {operator};
 GRANT SELECT, INSERT, DELETE ON agent_work_queue_archive TO {operator};
 GRANT SELECT ON jobrunner_schema_migrations TO {operator};
 GRANT USAGE ON SEQUENCE agent_work_queue_id_seq TO {operator};
@@ -126,8 +130,8 @@ GRANT USAGE ON SEQUENCE agent_schedule_trigger_id_seq TO {api};
 GRANT SELECT, INSERT, UPDATE ON agent_work_queue, agent_batch, agent_task_usage,
     agent_batch_usage, agent_pool, agent_pool_stream TO {api};
 GRANT SELECT, INSERT ON agent_task_key TO {api};
-GRANT SELECT ON agent_task_effect, agent_limit, agent_limit_lane, agent_pool_tenant,
-    agent_pool_tenant_usage, jobrunner_schema_migrations TO {api};
+GRANT SELECT ON agent_task_effect, agent_task_attempt, agent_limit, agent_limit_lane,
+    agent_pool_tenant, agent_pool_tenant_usage, jobrunner_schema_migrations TO {api};
 -- The console's admin actions on flow control and pools: pause and resume a limit (its
 -- block only, not its rates), set a tenant's weight in a pool.
 GRANT UPDATE (blocked_until, updated_at) ON agent_limit TO {api};
@@ -146,8 +150,8 @@ TO {api};
 -- readonly (metrics, a read-only console, dashboards): reads every table but the API
 -- keys' hashes and the files' raw bytes.
 GRANT SELECT ON agent_work_queue, agent_work_queue_archive, agent_batch, agent_task_key,
-    agent_task_effect, agent_task_usage, agent_batch_usage, agent_limit, agent_limit_lane,
-    agent_limit_lease, agent_pool, agent_pool_stream, agent_pool_tenant,
+    agent_task_effect, agent_task_usage, agent_task_attempt, agent_batch_usage, agent_limit,
+    agent_limit_lane, agent_limit_lease, agent_pool, agent_pool_stream, agent_pool_tenant,
     agent_pool_tenant_usage, agent_schedule, agent_schedule_trigger, agent_shard_lease,
     api_file, api_batch, console_audit, jobrunner_schema_migrations TO {readonly};
 GRANT EXECUTE ON FUNCTION

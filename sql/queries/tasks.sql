@@ -208,6 +208,7 @@ claimed AS (
         lease_owner = %(worker_id)s,
         locked_until = now() + make_interval(secs => %(visibility_timeout)s),
         attempts = q.attempts + 1,
+        leased_at = now(),  -- the attempt's start (agent_task_attempt, migration 0028)
         updated_at = now()
     WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
@@ -355,6 +356,7 @@ claimed AS (
         lease_owner = %(worker_id)s,
         locked_until = now() + make_interval(secs => %(visibility_timeout)s),
         attempts = q.attempts + 1,
+        leased_at = now(),  -- the attempt's start (agent_task_attempt, migration 0028)
         -- a task under limits: the database time its limits admitted it (what they count)
         -- (and evaluating it charges the lanes: `charged`)
         updated_at = CASE WHEN q.limits IS NULL THEN now()
@@ -437,12 +439,21 @@ WITH failed AS (
       AND q.attempts = %(attempt)s
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
-    RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key, q.limits
+    RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key, q.limits,
+              q.batch_id, q.leased_at
 ),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING failed
     WHERE failed.limits IS NOT NULL
       AND s.limit_name = ANY(failed.limits) AND s.task_id = failed.id
+),
+attempt_ended AS (
+    -- (the attempt's history: migration 0028)
+    INSERT INTO agent_task_attempt (task_id, attempt, batch_id, tenant_id, worker,
+                                    started_at, outcome, status, error)
+    SELECT id, %(attempt)s, batch_id, tenant_id, %(worker_id)s, leased_at, 'failed',
+           status, %(error)s
+    FROM failed
 )
 SELECT id, status, run_after FROM failed;
 
@@ -482,11 +493,20 @@ WITH throttled AS (
       AND q.attempts = %(attempt)s
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
-    RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key, q.limits
+    RETURNING q.id, q.status, q.run_after, q.tenant_id, q.shard_key, q.limits,
+              q.batch_id, q.leased_at, q.last_error
 ),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING throttled t
     WHERE t.limits IS NOT NULL AND s.limit_name = ANY(t.limits) AND s.task_id = t.id
+),
+attempt_ended AS (
+    -- (the attempt's history: migration 0028; its number as the worker held it)
+    INSERT INTO agent_task_attempt (task_id, attempt, batch_id, tenant_id, worker,
+                                    started_at, outcome, status, error)
+    SELECT id, %(attempt)s, batch_id, tenant_id, %(worker_id)s, leased_at,
+           'rate_limited', status, last_error
+    FROM throttled
 )
 SELECT id, status, run_after FROM throttled;
 
@@ -516,11 +536,19 @@ WITH released_tasks AS (
       AND q.attempts = t.attempt
       AND q.lease_owner = %(worker_id)s
       AND q.status || '' = 'leased'  -- by primary key, never the leased index: see Plans
-    RETURNING q.id, q.tenant_id, q.shard_key, q.limits
+    RETURNING q.id, q.tenant_id, q.shard_key, q.limits, q.batch_id, q.leased_at,
+              q.status, t.attempt
 ),
 slots_freed AS (
     DELETE FROM agent_limit_lease s USING released_tasks r
     WHERE r.limits IS NOT NULL AND s.limit_name = ANY(r.limits) AND s.task_id = r.id
+),
+attempt_ended AS (
+    -- (the attempt's history: migration 0028; its number as the worker held it)
+    INSERT INTO agent_task_attempt (task_id, attempt, batch_id, tenant_id, worker,
+                                    started_at, outcome, status)
+    SELECT id, attempt, batch_id, tenant_id, %(worker_id)s, leased_at, 'released', status
+    FROM released_tasks
 )
 SELECT id FROM released_tasks;
 
@@ -564,12 +592,21 @@ moved AS (
         locked_until = NULL,
         updated_at = now()
     WHERE q.id = ANY(ARRAY(SELECT id FROM expired))
-    RETURNING q.id, q.batch_id, q.status, q.tenant_id, q.shard_key, q.limits
+    RETURNING q.id, q.batch_id, q.status, q.tenant_id, q.shard_key, q.limits,
+              q.attempts, q.lease_owner, q.leased_at, q.last_error
 ),
 slots_freed AS (
     -- a killed worker's concurrency slots free here, when its lease expires
     DELETE FROM agent_limit_lease s USING moved
     WHERE moved.limits IS NOT NULL AND s.limit_name = ANY(moved.limits) AND s.task_id = moved.id
+),
+attempt_ended AS (
+    -- (the attempt's history: migration 0028)
+    INSERT INTO agent_task_attempt (task_id, attempt, batch_id, tenant_id, worker,
+                                    started_at, outcome, status, error)
+    SELECT id, attempts, batch_id, tenant_id, lease_owner, leased_at, 'expired', status,
+           last_error
+    FROM moved
 )
 SELECT id, batch_id, status FROM moved;
 
@@ -613,6 +650,11 @@ deleted AS (
     DELETE FROM agent_work_queue q
     WHERE q.id = ANY(ARRAY(SELECT id FROM old))
     RETURNING q.id, q.batch_id, q.task_key
+),
+attempts_deleted AS (
+    -- a task's attempts go with it (the archive keeps its last error)
+    DELETE FROM agent_task_attempt a
+    WHERE a.task_id = ANY(ARRAY(SELECT id FROM old))
 ),
 uncounted AS (
     -- (a reduce or generator task was never counted: sql/schema.sql)
@@ -675,6 +717,7 @@ claimed AS (
         lease_owner = %(worker_id)s,
         locked_until = now() + make_interval(secs => %(visibility_timeout)s),
         attempts = q.attempts + 1,
+        leased_at = now(),  -- the attempt's start (agent_task_attempt, migration 0028)
         updated_at = now()
     WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
@@ -798,6 +841,7 @@ claimed AS (
         lease_owner = %(worker_id)s,
         locked_until = now() + make_interval(secs => %(visibility_timeout)s),
         attempts = q.attempts + 1,
+        leased_at = now(),  -- the attempt's start (agent_task_attempt, migration 0028)
         -- a task under limits: the database time its limits admitted it (what they count)
         -- (and evaluating it charges the lanes: `charged`)
         updated_at = CASE WHEN q.limits IS NULL THEN now()
@@ -946,9 +990,19 @@ ORDER BY m.id;
 SELECT q.id, q.batch_id, q.tenant_id, q.task_key, q.shard_key, q.status::text AS status,
        q.attempts, q.max_attempts, q.payload::text AS payload, q.result::text AS result,
        q.last_error, q.lease_owner, q.locked_until, q.run_after, q.created_at, q.updated_at,
-       q.finished_at, q.tokens, q.limits, q.pool
+       q.finished_at, q.tokens, q.limits, q.pool, q.leased_at
 FROM agent_task_key k JOIN agent_work_queue q ON q.id = k.task_id
 WHERE k.batch_id = %(batch_id)s AND k.task_key = %(task_key)s;
+
+-- name: task_attempt_list
+-- A task's newest attempts that ended without an ack (migration 0028), newest first: by
+-- its primary key, bounded (a task that was rate-limited a thousand times has a
+-- thousand rows).
+SELECT attempt, worker, started_at, ended_at, outcome, status, error
+FROM agent_task_attempt
+WHERE task_id = %(task_id)s
+ORDER BY ended_at DESC
+LIMIT %(limit)s;
 
 -- name: task_count_dead_matching
 -- How many of a batch's dead tasks match the filter (one key, a key prefix, a payload containment, a shard, at least some attempts, error text), counted up to %(cap)s.

@@ -93,11 +93,14 @@ def k8s():
 @pytest.fixture
 def namespace(k8s):
     """A fresh namespace, deleted (without waiting) after the test."""
-    from .operator_support import create_namespace
+    from .operator_support import create_namespace, release_rbac_guard
 
     name = create_namespace(k8s, "t-" + uuid.uuid4().hex[:8])
     yield name
     k8s.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    # The controller of the `operator` fixture is stopped by now: its guarded RoleBinding
+    # would keep the namespace Terminating on the shared cluster.
+    release_rbac_guard(k8s, name)
 
 
 @pytest.fixture

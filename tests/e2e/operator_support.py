@@ -45,6 +45,17 @@ def apply_crds(k8s) -> None:
                 "crd/workerpools.jobrunner.dev", "--timeout=60s")
 
 
+def release_rbac_guard(k8s, namespace: str) -> None:
+    """What the chart's pre-delete hook does: drop the finalizer of the controller's
+    RoleBindings in `namespace`, for a test that stopped its controller (nothing would
+    drop it then, and the namespace would stay Terminating after the test)."""
+    names = k8s.kubectl("get", "rolebindings", "-n", namespace, "-o", "name",
+                        check=False).stdout.split()
+    for name in names:
+        k8s.kubectl("patch", name, "-n", namespace, "--type=merge", "-p",
+                    '{"metadata":{"finalizers":null}}', check=False)
+
+
 def create_db_secret(k8s, namespace: str, dsn: str, name: str = "jobrunner-db") -> None:
     manifest = {"apiVersion": "v1", "kind": "Secret",
                 "metadata": {"name": name, "namespace": namespace},
@@ -68,9 +79,10 @@ class Controller:
     def __init__(self, k8s, namespace: str, log: Path, metrics_port: int = 0,
                  cluster_rbac: bool = False, values: tuple[str, ...] = (), **env: str) -> None:
         self.k8s, self.namespace, self.log = k8s, namespace, log
-        # The chart's namespaced RBAC lives in the watched namespace: deleting that
-        # namespace may delete the Role before the BatchRuns' finalizers ran (NOTES.txt:
-        # delete the BatchRuns first). cluster_rbac renders the ClusterRole instead.
+        # The chart's namespaced RBAC: a RoleBinding in the watched namespace to a
+        # ClusterRole, guarded by a finalizer the controller drops when nothing there is
+        # left to finalize (operator/rbacguard.py). cluster_rbac renders the
+        # ClusterRoleBinding instead.
         self.cluster_rbac = cluster_rbac
         self.metrics_port = metrics_port or free_port()
         self.extra_env = env
@@ -100,7 +112,10 @@ class Controller:
                      "--set-string", f"controller.extraEnv[{i}].value={e['value']}"]
         out = self.k8s.helm("template", self.release, str(CHART), "-n", CONTROLLER_NAMESPACE,
                             *sets).stdout
-        return [d for d in yaml.safe_load_all(out) if d]
+        # Helm's hooks (the pre-delete Job of an uninstall) are not part of a running
+        # release: a plain apply would run them at once.
+        return [d for d in yaml.safe_load_all(out) if d and "helm.sh/hook" not in (
+            d["metadata"].get("annotations") or {})]
 
     def start(self) -> Controller:
         docs = self._render()

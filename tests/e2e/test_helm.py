@@ -20,6 +20,9 @@ import psycopg
 import pytest
 import yaml
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import dict_row
+
+from jobrunner.queue.client import Queue
 
 from .harness.procs import free_port
 from .operator_support import (
@@ -262,14 +265,34 @@ def test_lint_and_template_with_default_and_custom_values(k8s, tmp_path):
     assert env["JOBRUNNER_WORKER_SERVICE_ACCOUNT"] == "batch-ctl-worker" and env["X"] == "extra"
     assert env["JOBRUNNER_DB_SECRET_KEY"] == "url"
     assert deploy["spec"]["replicas"] == 0
-    assert {r["metadata"]["namespace"] for r in find(docs, "Role")} == {"team-a", "team-b"}
+    # namespaces other than the release's: a guarded RoleBinding to a ClusterRole each
+    assert not find(docs, "Role")
     assert {r["metadata"]["namespace"] for r in find(docs, "KopfPeering")} == {"team-a", "team-b"}
-    for binding in find(docs, "RoleBinding"):
+    bindings = find(docs, "RoleBinding")
+    assert {b["metadata"]["namespace"] for b in bindings} == {"team-a", "team-b"}
+    for binding in bindings:
+        assert binding["metadata"]["name"] == "batch-ctl-controller"
+        assert binding["metadata"]["finalizers"] == ["jobrunner.dev/controller-access"]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
+                                      "kind": "ClusterRole", "name": "jr-system-batch-ctl"}
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ctl",
                                         "namespace": "jr-system"}]
-    (role,) = find(docs, "Role", namespace="team-a")
+    (role,) = find(docs, "ClusterRole", "jr-system-batch-ctl")
     assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
             "resourceNames": ["pg-a", "pg-b"]} in role["rules"]
+    assert {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["rolebindings"],
+            "verbs": ["get", "patch"], "resourceNames": ["batch-ctl-controller"]} in role["rules"]
+    assert not find(docs, "ClusterRoleBinding")
+    (hook,) = find(docs, "Job")
+    assert hook["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    hook_pod = hook["spec"]["template"]["spec"]
+    assert hook_pod["serviceAccountName"] == "ctl"
+    assert hook_pod["containers"][0]["command"] == ["jobrunner-controller",
+                                                    "--release-rbac-guard"]
+    hook_env = {e["name"]: e.get("value") for e in hook_pod["containers"][0]["env"]}
+    assert hook_env["JOBRUNNER_RBAC_GUARD_NAMESPACES"] == "team-a,team-b"
+    assert env["JOBRUNNER_RBAC_GUARD"] == hook_env["JOBRUNNER_RBAC_GUARD"] == (
+        "batch-ctl-controller")
     workers = find(docs, "ServiceAccount", "batch-ctl-worker")
     assert {w["metadata"]["namespace"] for w in workers} == {"team-a", "team-b"}
     assert all(w["automountServiceAccountToken"] is False for w in workers)
@@ -523,6 +546,62 @@ def test_uninstall_leaves_nothing_but_the_crds(k8s, release):
     assert k8s.helm("list", "-n", ns, "-q").stdout.strip() == ""
     for crd in ("batchruns.jobrunner.dev", "kopfpeerings.kopf.dev"):
         k8s.kubectl("get", "crd", crd)  # kept, as Helm does with crds/ (and NOTES says so)
+
+
+def test_watched_namespaces_can_be_deleted_and_the_release_uninstalled(k8s, db):
+    """watch.namespaces beyond the release's (peering on, the Deployment's own pod): the
+    guarded RoleBinding gives the controller exactly its rules there; deleting a watched
+    namespace with a running BatchRun completes; `helm uninstall --wait` completes (its
+    pre-delete hook drops the bindings' finalizer) and leaves no binding behind."""
+    home, app, kept = new_namespace(k8s), new_namespace(k8s), new_namespace(k8s)
+    release, fullname = "jrw", "jrw-jobrunner"
+    guard = f"{fullname}-controller"
+    try:
+        for ns in (app, kept):
+            create_db_secret(k8s, ns, db)
+        helm_install(k8s, home, "--set", f"watch.namespaces={{{home},{app},{kept}}}",
+                     release=release)
+        log = PodLog(k8s, home, release)
+        sa = f"system:serviceaccount:{home}:{fullname}"
+        for ns in (app, kept):
+            binding = get(k8s, "rolebinding", guard, ns)
+            assert binding["metadata"]["finalizers"] == ["jobrunner.dev/controller-access"]
+            assert can_i(k8s, ns, sa, "patch", f"rolebindings.rbac.authorization.k8s.io/{guard}")
+            assert not can_i(k8s, ns, sa, "patch", "rolebindings.rbac.authorization.k8s.io")
+            assert can_i(k8s, ns, sa, "get", "secrets/jobrunner-db")
+            assert not can_i(k8s, ns, sa, "list", "secrets")
+        assert not can_i(k8s, home, sa, "patch",
+                         f"rolebindings.rbac.authorization.k8s.io/{guard}")
+        assert not can_i(k8s, None, sa, "list", "batchruns.jobrunner.dev")
+
+        k8s.kubectl("apply", "-n", app, "-f", "-", input=batchrun("doomed", {
+            "tenant": "t", "workers": 1, "handler": "tests.support.handlers:record",
+            "shardRange": {"count": 100, "payload": {"sleep": 1}}, **FAST}))
+        batch_id = wait_phase(k8s, "doomed", app, ("Running",), controller=log)[
+            "status"]["batchId"]
+        assert not RBAC_DENIED.search(log.output())  # the ClusterRole's rules suffice
+        r = k8s.kubectl("delete", "namespace", app, "--timeout=120s", timeout=150,
+                        check=False)
+        gone = k8s.kubectl("get", "namespace", app, check=False)
+        assert "NotFound" in gone.stderr, (r.stderr, gone.stdout, log.output()[-3000:])
+        with psycopg.connect(db, row_factory=dict_row) as conn:
+            counts = Queue(conn).counts(batch_id)
+        assert counts["pending"] == 0 and counts["cancelled"] > 0, counts
+
+        out = k8s.helm("uninstall", release, "-n", home, "--wait", "--timeout", "2m").stdout
+        assert f'release "{release}" uninstalled' in out, out
+        assert k8s.kubectl("get", "rolebindings,roles", "-n", kept, "-o", "name"
+                           ).stdout.strip() == ""
+        assert k8s.kubectl("get", "clusterroles,jobs", "-A", "-l",
+                           f"app.kubernetes.io/instance={release}", "-o", "name"
+                           ).stdout.strip() == ""
+        k8s.kubectl("delete", "namespace", kept, "--timeout=60s", timeout=90)
+    finally:
+        k8s.helm("uninstall", release, "-n", home, "--no-hooks", check=False)
+        for ns in (home, app, kept):
+            k8s.kubectl("patch", "rolebinding", guard, "-n", ns, "--type=merge", "-p",
+                        '{"metadata":{"finalizers":null}}', check=False)
+            k8s.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 @pytest.mark.exclusive  # (see tests/e2e/conftest.py)

@@ -349,7 +349,8 @@ def test_kueue_values_render_the_workload_rbac_and_default_queues(k8s):
     docs = [d for d in yaml.safe_load_all(k8s.helm(
         "template", "jr", str(chart), "--set", "watch.namespaces={a}",
         "--set", "kueue.enabled=true", "--set", "kueue.defaultQueueNames.a=team-a").stdout) if d]
-    (role,) = [d for d in docs if d["kind"] == "Role"]
+    # a's rules: a ClusterRole its RoleBinding binds (a is not the release namespace)
+    (role,) = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
     assert {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"],
             "verbs": ["get", "list", "watch", "patch"]} in role["rules"]
     (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
@@ -358,7 +359,7 @@ def test_kueue_values_render_the_workload_rbac_and_default_queues(k8s):
     assert json.loads(env["JOBRUNNER_KUEUE_DEFAULT_QUEUES"]) == {"a": "team-a"}
     docs = [d for d in yaml.safe_load_all(k8s.helm(
         "template", "jr", str(chart), "--set", "watch.namespaces={a}").stdout) if d]
-    (role,) = [d for d in docs if d["kind"] == "Role"]
+    (role,) = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
     assert not any("kueue.x-k8s.io" in r["apiGroups"] for r in role["rules"])
     r = k8s.helm("template", "jr", str(chart), "--set", "kueue.defaultQueueNames.a=Bad_Q",
                  check=False)

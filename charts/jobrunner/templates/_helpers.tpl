@@ -75,6 +75,31 @@ app.kubernetes.io/part-of: jobrunner
 {{- end -}}
 {{- end -}}
 
+{{/* Watched namespaces other than the release's, as a JSON list: the controller's
+RoleBinding there binds a ClusterRole and carries the finalizer
+jobrunner.dev/controller-access, so that deleting the namespace cannot take the
+controller's access before its finalizers ran (docs/operator.md, "Deleting a watched
+namespace"). The release namespace needs no guard: the controller runs there and goes
+with it. Empty when cluster-wide or when the chart creates no RBAC. */}}
+{{- define "jobrunner.guardedNamespaces" -}}
+{{- $out := list -}}
+{{- if and .Values.rbac.create (not .Values.watch.clusterWide) -}}
+{{- range $ns := include "jobrunner.watchNamespaces" . | fromJsonArray -}}
+{{- if ne $ns $.Release.Namespace -}}
+{{- $out = append $out $ns -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $out | toJson -}}
+{{- end -}}
+
+{{/* The name of that guarded RoleBinding (not the release namespace Role's name: a
+RoleBinding's roleRef cannot change, so an upgrade from a chart that bound a Role there
+replaces the binding instead of failing). */}}
+{{- define "jobrunner.guardName" -}}
+{{- printf "%s-controller" (include "jobrunner.fullname" .) -}}
+{{- end -}}
+
 {{/* Namespaces that get per-namespace objects (the DSN Secret of the demo database, the
 worker ServiceAccount): the watched ones, or the release namespace when cluster-wide. */}}
 {{- define "jobrunner.runNamespaces" -}}
@@ -160,6 +185,14 @@ clusterkopfpeerings, or "" for none).
 - apiGroups: [kueue.x-k8s.io]
   resources: [workloads]
   verbs: [get, list, watch, patch]
+{{- end }}
+{{- with .guard }}
+# Its own guarded RoleBinding, by name: to drop the binding's finalizer once nothing in the
+# namespace needs the controller any more (operator/rbacguard.py).
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [rolebindings]
+  verbs: [get, patch]
+  resourceNames: [{{ . | quote }}]
 {{- end }}
 {{- if .peering }}
 - apiGroups: [kopf.dev]

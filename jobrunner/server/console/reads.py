@@ -33,6 +33,7 @@ SCAN_BUDGET = 5_000     # keys (or failed rows) a page of the browser reads, at 
 BULK_CAP = 10_000       # dead tasks one bulk requeue moves, at most
 RATE_WINDOW = 60.0      # seconds of samples a rate is measured over
 ERRORS_SAMPLE = 2_000   # the newest dead tasks the batch page groups into top errors
+ATTEMPTS_SHOWN = 100    # the newest ended attempts the task page lists
 
 
 class RateBook:
@@ -197,9 +198,35 @@ def task(conn: psycopg.Connection, batch_id: str, task_key: str) -> dict[str, An
         if row is None:
             return None
         row["usage"] = flow.usage_by_attempt(conn, row["id"])
+        ended = tasks.attempt_list(conn, row["id"], ATTEMPTS_SHOWN)
+    row["attempt_rows"] = attempt_rows(row, ended, row["usage"])
+    row["attempts_cut"] = len(ended) >= ATTEMPTS_SHOWN
     row["payload_pretty"] = pretty_json(row["payload"])
     row["result_pretty"] = pretty_json(row["result"])
     return row
+
+
+def attempt_rows(task: dict[str, Any], ended: list[dict[str, Any]],
+                 usage: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every attempt of a task, oldest first: those that ended without an ack (their
+    rows, newest first from the store), then the one the task row describes (running,
+    or acked). Each with its duration and its usage (by attempt number: a number given
+    back by a rate-limited or released attempt is used again, so its usage goes with
+    the attempt that ended last under that number)."""
+    rows = [dict(r) for r in reversed(ended)]
+    if task["status"] in ("leased", "done"):
+        rows.append({"attempt": task["attempts"], "worker": task["lease_owner"],
+                     "started_at": task["leased_at"],
+                     "ended_at": task["finished_at"] if task["status"] == "done" else None,
+                     "outcome": "running" if task["status"] == "leased" else "acked",
+                     "status": task["status"], "error": None})
+    by_number = {u["attempt"]: u for u in usage}
+    last_of_number = {r["attempt"]: i for i, r in enumerate(rows)}
+    for i, r in enumerate(rows):
+        r["usage"] = by_number.get(r["attempt"]) if last_of_number[r["attempt"]] == i else None
+        start, end = r["started_at"], r["ended_at"]
+        r["seconds"] = (end - start).total_seconds() if start and end else None
+    return rows
 
 
 def dead_recent(conn: psycopg.Connection, scope: str | None, limit: int = 100
