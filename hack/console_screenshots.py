@@ -187,7 +187,10 @@ def main() -> None:
                 ("schedules", "/console/schedules"),
                 ("api-batches", "/console/api-batches")):
             driver.get(url + path)
+            # (the task page's attempts are below its payload and error: a taller window)
+            driver.set_window_size(1280, 1500 if name == "task" else 860)
             shoot(driver, name)
+        driver.set_window_size(1280, 860)
         # an action, seen in the audit: pause a limit and resume it
         driver.get(f"{url}/console/limits")
         row = 'tr[data-name="llm"] button.'
