@@ -306,34 +306,3 @@ def test_an_unsampled_enqueue_stores_only_its_baggage(conn):
     conn.rollback()
     assert stored == {"plain": None, "carried": {"baggage": "team=search"}}
 
-
-def test_the_stored_context_is_read_in_a_transaction_of_its_own(dsn, conn, caplog):
-    """A sampled attempt reads its enqueue's context on a pool connection and gives it
-    back idle: the pool has nothing to roll back (it would warn once per attempt)."""
-    import logging
-
-    from opentelemetry.sdk.trace import TracerProvider
-
-    from jobrunner.runtime.effects import Effects
-    from jobrunner.runtime.task import Task
-    from jobrunner.worker.executor import _stored_trace_context
-
-    tracing.use(TracerProvider())  # (sampled, sent nowhere)
-    try:
-        Queue(conn).enqueue("b", "acme", [TaskSpec("k", {})])
-    finally:
-        tracing.use(None)
-    row = conn.execute("SELECT id, trace_context::text AS stored FROM agent_work_queue"
-                       ).fetchone()
-    conn.rollback()
-    task_id, stored = row["id"], row["stored"]
-    assert "traceparent" in stored
-    effects = Effects(dsn, max_connections=1)
-    try:
-        task = Task(id=task_id, key="k", batch_id="b", tenant_id="acme", shard_key=None,
-                    payload={}, attempt=1, max_attempts=3, worker_id="w", _effects=effects)
-        with caplog.at_level(logging.WARNING, logger="psycopg.pool"):
-            assert [_stored_trace_context(task, task_id) for _ in range(2)] == [stored] * 2
-    finally:
-        effects.close()
-    assert [r.getMessage() for r in caplog.records if r.name.startswith("psycopg")] == []

@@ -39,8 +39,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any
 
-from psycopg import Connection
-
 from jobrunner.model.errors import LeaseLost, PermanentError, RateLimited
 from jobrunner.model.types import Lease, Outcome
 from jobrunner.observability import metrics, tracing
@@ -305,14 +303,7 @@ def _stored_trace_context(task: Task, task_id: int) -> str | None:
     effects = task._effects  # (the handler's connections; none in some unit tests)
     if effects is None:
         return None
-
-    def read(conn: Connection) -> str | None:
-        # Its own transaction, ended here: a pool connection given back inside one is
-        # rolled back by the pool, with a warning in the log, one per sampled attempt.
-        with conn.transaction():
-            return task_store.trace_context(conn, task_id)
-
-    return effects.run(read)
+    return effects.run(lambda conn: task_store.trace_context(conn, task_id))
 
 
 def _outcome_name(outcome: Outcome, task: Task) -> str:
