@@ -10,14 +10,12 @@ PostgreSQL or CloudNativePG.
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from jobrunner.model.validation import TaskSpec
@@ -27,40 +25,16 @@ from jobrunner.store.migrate import MigrationDenied, migrate
 from jobrunner.store.privileges import UnsafeBinding
 from jobrunner.store.sqlfiles import migrations, sql_dir
 from tests.support import attacks
+from tests.support.installs import Install, installing_role
 from tests.support.processes import cli, start_worker, wait_for
 
 HANDLER = "tests.support.handlers:noop"
 
 
-def _as(dsn: str, **params: str) -> str:
-    given = conninfo_to_dict(dsn)
-    given.update(params)
-    return make_conninfo(**given)
-
-
-@dataclass
-class Install:
-    admin_dsn: str  # the test server's superuser, on this database
-    dsn: str  # the installing role (CREATEROLE, owns the database, not a superuser)
-    prefix: str
-    user: str
-
-
 @pytest.fixture
 def install(pg_admin_dsn: str) -> Iterator[Install]:
-    tag = uuid.uuid4().hex[:10]
-    user, dbname, password = f"inst_{tag}", f"jr_roles_{tag}", uuid.uuid4().hex
-    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE ROLE {} LOGIN CREATEROLE PASSWORD {}").format(
-            sql.Identifier(user), sql.Literal(password)))
-        conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(
-            sql.Identifier(dbname), sql.Identifier(user)))
-    yield Install(_as(pg_admin_dsn, dbname=dbname),
-                  _as(pg_admin_dsn, dbname=dbname, user=user, password=password),
-                  f"jr{tag}", user)
-    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(dbname)))
+    with installing_role(pg_admin_dsn, "roles") as made:
+        yield made
 
 
 def _granted(install: Install) -> roles.GrantReport:

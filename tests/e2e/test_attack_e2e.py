@@ -11,18 +11,16 @@ attacker's role), and a's run must still succeed with all its tasks done."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from tests.support import attacks
 from tests.support.figures import show
+from tests.support.installs import Install, installing_role
 from tests.support.processes import cli
 
 from .operator_support import (
@@ -39,38 +37,13 @@ FAST = {"visibilityTimeoutSeconds": 6, "heartbeatSeconds": 2, "backoffBaseSecond
 TASKS = 3  # tenant a's tasks, each one running every attack
 
 
-@dataclass
-class Install:
-    admin_dsn: str  # the test server's superuser on this database: the witness
-    dsn: str  # the installing role (CREATEROLE, owns the database, not a superuser)
-    prefix: str
-    user: str
-
-
-def _as(dsn: str, **params: str) -> str:
-    return make_conninfo(**{**conninfo_to_dict(dsn), **params})
-
-
 @pytest.fixture
 def install(pg_admin_dsn: str) -> Iterator[Install]:
-    """A database of its own owned by an installing role of its own, `db grant`ed with a
-    prefix of its own (roles are the cluster's)."""
-    tag = uuid.uuid4().hex[:10]
-    user, dbname, password = f"inst_{tag}", f"jr_attack_{tag}", uuid.uuid4().hex
-    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE ROLE {} LOGIN CREATEROLE PASSWORD {}").format(
-            sql.Identifier(user), sql.Literal(password)))
-        conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(
-            sql.Identifier(dbname), sql.Identifier(user)))
-    made = Install(_as(pg_admin_dsn, dbname=dbname),
-                   _as(pg_admin_dsn, dbname=dbname, user=user, password=password),
-                   f"jr{tag}", user)
-    granted = cli("db", "grant", "--prefix", made.prefix, dsn=made.dsn)
-    assert granted.returncode == 0, granted.stderr
-    yield made
-    with psycopg.connect(pg_admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(dbname)))
+    """An installing role's database, `db grant`ed with a prefix of its own."""
+    with installing_role(pg_admin_dsn, "attack") as made:
+        granted = cli("db", "grant", "--prefix", made.prefix, dsn=made.dsn)
+        assert granted.returncode == 0, granted.stderr
+        yield made
 
 
 def _printed_dsn(install: Install, *args: str) -> str:
