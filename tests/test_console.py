@@ -433,7 +433,7 @@ spec:
   workers: 1
   handler: tests.support.console_handlers:handle
   shards:
-""" + "".join(f"    - {{key: s{i}, payload: {{sleep: 0.3}}}}\n" for i in range(12)))
+""" + "".join(f"    - {{key: s{i}, payload: {{sleep: 1.0}}}}\n" for i in range(12)))
     proc = subprocess.Popen(
         [sys.executable, "-m", "jobrunner", "run", str(manifest), "--dsn", dsn, "--console"],
         cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -448,8 +448,16 @@ spec:
         url, key = re.search(r"console: (http://localhost:\d+/console/) \(log in with the "
                              r"key (jr-\S+):", line).groups()
         base = url.replace("localhost", "127.0.0.1")
-        page = httpx.get(base, headers={"Authorization": f"Bearer {key}"}, timeout=10)
-        assert page.status_code == 200 and "local/slow" in page.text
+        # (the console may answer before the run's enqueue has committed: the batch shows
+        # once it has, and stays while its 12 s of tasks run)
+        def shown() -> bool:
+            page = httpx.get(base, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+            assert page.status_code == 200, page.status_code
+            return "local/slow" in page.text
+
+        wait_for(lambda: shown() or proc.poll() is not None, timeout=60, interval=0.2,
+                 what="the console to show the run's batch")
+        assert proc.poll() is None and shown(), "the run ended before its batch was shown"
         assert proc.wait(120) == 0
     finally:
         if proc.poll() is None:

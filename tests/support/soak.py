@@ -333,10 +333,13 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
             if workers[victim].poll() is None:
                 os.killpg(workers[victim].pid, signal.SIGKILL)
                 workers[victim].wait()
+            if workers[victim].returncode == -signal.SIGKILL:
                 killed[workers[victim].pid] = time.time()  # (after its end: an upper bound)
                 kills += 1
                 reap(victim, by_soak=True)
             else:
+                # (it ended by itself, or in the instant between the look and the signal: a
+                # drained worker exits 0 at the end of the soak; no kill to count)
                 reap(victim)
             workers[victim] = spawn(victim)
             next_kill = time.monotonic() + rng.uniform(0.5, 2.0)
