@@ -150,24 +150,64 @@ def test_a_waiting_worker_sends_no_statement(dsn, conn, tmp_path, capsys):
         before = conn.execute(sql, (backends,)).fetchall()
         conn.rollback()
         last = max(r["state_change"] for r in before)
-        # Its last claim found nothing, so its next poll comes 5-15 s after it
-        # (idle_fallback); its backstop sweep ran at start and runs again 24-36 s later;
-        # holding no lease it sends no heartbeat. Watch until 4.5 s after its last
-        # statement: a worker that polled every 0.2-0.5 s would have sent ten.
-        wait = (last - before[0]["now"]).total_seconds() + 4.5
+        # Its last claim found nothing and nothing is pending (task_next_due), so its next
+        # poll comes 30-90 s after it (idle_fallback); its backstop sweep ran at start and
+        # runs again 24-36 s later; holding no lease it sends no heartbeat. Watch until
+        # 16 s after its last statement: a worker that polled every 0.2-0.5 s would have
+        # sent forty, and one that polled at the blocked pace (5-15 s: idle_blocked, the
+        # fallback before) at least one.
+        wait = (last - before[0]["now"]).total_seconds() + 16.0
         time.sleep(max(0.0, wait))
         after = conn.execute(sql, (backends,)).fetchall()
         conn.rollback()
         leader_pid = _leader_pid(conn)
     finally:
         _stop(*workers)
-    show(capsys, f"a waiting worker: no statement in the 4.5 s after its last one, watched "
+    show(capsys, f"a waiting worker: no statement in the 16 s after its last one, watched "
          f"for the last {wait:.1f} s (its connections' last statements at "
          f"{[str(r['state_change'].time()) for r in after]})")
     assert leader_pid is not None and leader_pid != waiting.pid
-    assert wait >= 3.0  # (the window is long enough to mean something)
+    # (the quiet span proven: from its last statement to the look after, by the server's
+    # clock; longer than the 5-15 s at which a task due but blocked is looked at again)
+    assert (after[0]["now"] - last).total_seconds() >= 15.9
     assert [(r["application_name"], r["state_change"]) for r in after] == \
         [(r["application_name"], r["state_change"]) for r in before]
+
+
+def test_a_task_behind_a_shard_another_ack_frees_starts_within_seconds(
+        dsn, conn, tmp_path, capsys):
+    """An ack sends no note, so a worker whose claim found only a busy shard must keep
+    looking: its batch has a task due now (task_next_due), so it looks again within
+    5-15 s (idle_blocked), not at the minute-long fallback."""
+    queue = Queue(conn)
+    queue.enqueue("b", "acme", [TaskSpec("first", {}, shard_key="s"),
+                                TaskSpec("second", {}, shard_key="s")])
+    conn.commit()
+    (held,) = queue.claim("b", "holder")  # the shard is busy: "second" waits for it
+    conn.commit()
+    worker = start_worker(dsn, "b", HANDLER, log=tmp_path / "w.log")
+    try:
+        _wait_for_notifier(conn, worker)
+        # past its start and the 2 s of fast polls after it (idle_warm): from its next
+        # empty claim on, only its own look (or a note, and an ack sends none) finds it
+        time.sleep(4.0)
+        assert _executions(conn, "second") == 0
+        assert queue.ack("holder", held)
+        conn.commit()
+        acked = _one(conn, "SELECT finished_at FROM agent_work_queue WHERE task_key = 'first'"
+                     )["finished_at"]
+        wait_for(lambda: _executions(conn, "second") == 1, timeout=40, interval=0.05,
+                 what="the second task")
+        started = _one(conn, "SELECT started_at FROM exec_log WHERE task_key = 'second'"
+                       )["started_at"]
+    finally:
+        _stop(worker)
+    late = (started - acked).total_seconds()
+    show(capsys, f"a task behind a busy shard started {late:.1f} s after the ack that freed "
+         "it (no note: the waiting worker's own look)")
+    # Its looks come 5-15 s apart while a task is due that it could not claim; 1.5 s more
+    # for a loaded machine. At the fallback's pace (30-90 s) it would be later.
+    assert 0 <= late <= 16.5
 
 
 def test_a_retry_starts_at_its_run_after_not_at_the_next_poll(dsn, conn, tmp_path, capsys):

@@ -444,6 +444,12 @@ class Queue:
                                      if lease.id in released])
         return released
 
+    def next_due(self, batch_id: str | None = None, pool: str | None = None
+                 ) -> float | None:
+        """Seconds until the batch's (or the pool's) earliest pending task is due (<= 0:
+        one is due now); None when nothing is pending."""
+        return task_store.next_due(self.session, batch_id=batch_id, pool=pool)
+
     def expire(self, limit: int = 1000) -> list[dict[str, Any]]:
         """Return expired leases to pending (or dead); any worker may call this. A cheap
         look first: a sweep almost always finds nothing (task_expired_any)."""

@@ -28,6 +28,9 @@ END_MISSING_EFFECTS = Statement("task_end_missing_effects", Mode.ROUND_TRIP)
 HEARTBEAT = Statement("task_heartbeat", Mode.ROUND_TRIP)
 EXPIRE = Statement("task_expire", Mode.ROUND_TRIP)
 EXPIRED_ANY = Statement("task_expired_any", Mode.ROUND_TRIP)
+NEXT_DUE = Statement("task_next_due", Mode.ROUND_TRIP)
+NEXT_DUE_POOL = Statement("task_next_due_pool", Mode.ROUND_TRIP)
+NEXT_DUE_SCAN = 1000  # a pool's pending entries the look reads, at most
 RETRY_NOTIFY = Statement("task_retry_notify")
 RELEASE = Statement("task_release")
 REQUEUE_DEAD = Statement("task_requeue_dead")
@@ -105,6 +108,17 @@ def expired_any(session: Session) -> bool:
     """Whether a lease has expired (task_expired_any)."""
     (cur,) = session.round_trip([(EXPIRED_ANY, {})], dict_row)
     return bool(cur.fetchone()["expired"])
+
+
+def next_due(session: Session, *, batch_id: str | None = None, pool: str | None = None
+             ) -> float | None:
+    """Seconds until the batch's (or the pool's) earliest pending task is due (<= 0: one
+    is due now); None when nothing is pending."""
+    step = ((NEXT_DUE_POOL, {"pool": pool, "scan": NEXT_DUE_SCAN}) if pool is not None
+            else (NEXT_DUE, {"batch_id": batch_id}))
+    (cur,) = session.round_trip([step], dict_row)
+    seconds = cur.fetchone()["seconds"]
+    return None if seconds is None else float(seconds)
 
 
 def expire(session: Session, limit: int) -> list[dict[str, Any]]:

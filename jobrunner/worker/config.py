@@ -38,14 +38,19 @@ class WorkerConfig:
     # transaction pooler without a direct listen DSN).
     idle_poll: tuple[float, float] = (0.2, 0.5)
     # With a connected notifier a waiting worker sleeps until a note, a known retry time
-    # or a limit's room; this slow poll covers notes that were lost, and the one
-    # transition no note announces: an ack that frees a shard whose next task waits (a
-    # note per ack would cost every task a NOTIFY). So it stays seconds, not a minute: at
-    # 30-90 s the chaos soak, whose shards are busy, ran 10 minutes instead of seconds.
-    idle_fallback: tuple[float, float] = (5.0, 15.0)
-    # For this long after a claim that got tasks, an idle worker still polls at idle_poll:
-    # work that no note announces (a shard an ack released, rows a concurrent claim held
-    # locked for an instant) is found as quickly as before.
+    # or a limit's room. Before it does, it asks when its batch's (or pool's) earliest
+    # pending task is due (task_next_due, one index probe). Nothing pending, or nothing
+    # due before the sleep would end: this slow poll, which only covers notes that were
+    # lost (every transition that makes a task claimable sends one, but one: below).
+    idle_fallback: tuple[float, float] = (30.0, 90.0)
+    # ... a task due now that its claim did not get: its shard is busy (an ack that frees
+    # a shard sends no note: a NOTIFY per ack would cost every task one), a concurrent
+    # claim held its row, its limit is full or its budget spent. It looks again this
+    # often (seconds: at 30-90 s the chaos soak, whose shards are busy, ran 10 minutes).
+    idle_blocked: tuple[float, float] = (5.0, 15.0)
+    # For this long after a claim that got tasks, or an ack, an idle worker still polls
+    # at idle_poll: work that no note announces (the shard its own ack released, rows a
+    # concurrent claim held locked for an instant) is found as quickly as before.
     idle_warm: float = 2.0
     # --exit-when-drained, its batch still open with nothing to claim (tasks leased by
     # others): how often it looks whether the batch is done. No note says so.

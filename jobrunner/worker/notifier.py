@@ -7,7 +7,7 @@ Guarantees:
   and hands each note to the subscriptions it concerns. A waiting worker therefore costs
   the server nothing between notes: its claim loop sleeps until a note, until the
   earliest retry time it was told of, until a full limit has room, or until its slow
-  fallback poll (seconds, with jitter), which exists only for notes that were lost.
+  fallback poll (a minute, with jitter), which exists only for notes that were lost.
 - `connected` is set only while the LISTEN session is up. While it is not (never
   connected, reconnecting, or no direct DSN behind PgBouncer's transaction pooling),
   workers poll at their fast idle interval as before; when it comes back, every

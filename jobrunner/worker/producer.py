@@ -13,9 +13,11 @@ Guarantees:
   loop claims for every free slot in one statement, the acks of what finished with it.
 - Idle with a connected notifier (jobrunner/worker/notifier.py), it sleeps until a note
   for its batch or pool, the earliest retry time it was told of, a full limit's room
-  (Queue.limit_wait), or the slow fallback poll (idle_fallback, seconds with jitter)
-  that covers lost notes. Without one (--no-listen, a transaction pooler without a
-  direct DSN, the notifier reconnecting) it polls every idle_poll, as before.
+  (Queue.limit_wait), or the slow fallback poll (idle_fallback, a minute with jitter)
+  that covers lost notes; sooner (idle_blocked) while a task is due that its claim did
+  not get, and the batch's next pending task's due time (task_next_due) at the latest.
+  Without one (--no-listen, a transaction pooler without a direct DSN, the notifier
+  reconnecting) it polls every idle_poll, as before.
 - After max_tasks claims it claims no more and gives back what it has not started;
   with exit_when_drained it returns once a claim found nothing and the batch has
   nothing pending or leased. `release` gives leases back without burning an attempt.
@@ -89,7 +91,7 @@ class Producer:
         # (Queue.limit_wait), so the idle sleep ends then instead of a poll later.
         self.limit_wait: float | None = None
         self.notifier = notifier
-        self._claimed_at = float("-inf")  # the last claim that got something (monotonic)
+        self._claimed_at = float("-inf")  # the last claim that got something, or ack (monotonic)
         self.subscription = subscription
         # Set by the notifier when tasks were enqueued into the pool: they may be laid
         # before this worker's scan position, so the next claim scans from the start.
@@ -137,12 +139,12 @@ class Producer:
                              self.claim.target)
                     return
                 # (no note says that the last leased task finished: look again soon)
-                state.sleep(self._until_room(min(self._idle_wait(),
+                state.sleep(self._until_room(min(self._idle_wait(look_ahead=False),
                                                  random.uniform(*cfg.drain_poll))))
                 continue
             state.sleep(self._until_room(self._idle_wait()))
 
-    def _idle_wait(self) -> float:
+    def _idle_wait(self, *, look_ahead: bool = True) -> float:
         """How long a worker with a free slot and nothing to claim sleeps: with a connected
         notifier, until the earliest retry time it was told of or the slow fallback poll
         (notes wake it earlier); without one, the fast idle poll."""
@@ -159,8 +161,23 @@ class Producer:
             # concurrent claim held locked)
             poll = random.uniform(*cfg.idle_poll)
         else:
-            poll = random.uniform(*cfg.idle_fallback)
+            # Long only if nothing is due before it ends: a task due now that the claim
+            # did not get (its shard busy, its limit full, its budget spent) waits on
+            # something no note announces.
+            # (without look_ahead, for a caller that looks again within seconds anyway,
+            # no statement: the shorter of the two)
+            ahead = self._next_due() if look_ahead else 0.0
+            if ahead is not None and ahead <= 0:
+                poll = random.uniform(*cfg.idle_blocked)
+            else:
+                poll = random.uniform(*cfg.idle_fallback)
+                if ahead is not None:
+                    poll = min(poll, ahead + random.uniform(0.002, 0.01))
         return max(0.0, min(poll, due))
+
+    def _next_due(self) -> float | None:
+        claim = self.claim
+        return self.conn.run(lambda q: q.next_due(claim.batch_id, claim.pool), "next due")
 
     def _until_room(self, wait: float) -> float:
         """The idle sleep, cut short to when a full limit has room again: a limit paced at
@@ -223,7 +240,8 @@ class Producer:
         with state.lock:
             state.buffer.extend(claimed)
             state.stats["claimed"] += len(claimed)
-        if claimed:
+        if claimed or outcomes:
+            # (an ack may free a shard whose next task no note announces: look again soon)
             self._claimed_at = time.monotonic()
         return claimed
 

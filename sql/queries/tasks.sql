@@ -552,6 +552,33 @@ attempt_ended AS (
 )
 SELECT id FROM released_tasks;
 
+-- name: task_next_due
+-- Seconds until the batch's earliest pending task is due (<= 0: one is due now), NULL
+-- when nothing is pending: what a worker whose claim came back empty sleeps on.
+--
+-- One probe of the pending index's first entry for the batch. A waiting worker asks it
+-- before a long sleep: nothing pending, or nothing due before the sleep ends, and only
+-- a note can bring work sooner (enqueue, retry, expiry, release, requeue, a raised budget
+-- or resumed limit all send one); a task due now that its claim did not get (its shard
+-- busy, its limit full, its budget spent) means looking again sooner, as before.
+SELECT extract(epoch FROM (
+    SELECT q.run_after FROM agent_work_queue q
+    WHERE q.batch_id = %(batch_id)s AND q.status = 'pending'
+    ORDER BY q.run_after, q.id
+    LIMIT 1) - now())::float8 AS seconds;
+
+-- name: task_next_due_pool
+-- As task_next_due, for a pool's pending tasks: the pool's pending index is in claim
+-- order (vtag), not time, so the earliest of its first %(scan)s entries (a pool whose
+-- first entries are all retries waiting out their backoff reads no further: a worker
+-- then looks again at the soonest of them).
+SELECT extract(epoch FROM (
+    SELECT min(p.run_after) FROM (
+        SELECT q.run_after FROM agent_work_queue q
+        WHERE q.pool = %(pool)s AND q.status = 'pending'
+        ORDER BY q.vtag, q.id
+        LIMIT %(scan)s) p) - now())::float8 AS seconds;
+
 -- name: task_expired_any
 -- Whether any lease has expired: the sweep's cheap first look (task_expire only when so).
 --
