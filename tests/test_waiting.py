@@ -68,6 +68,13 @@ def _executions(conn, key: str) -> int:
     return _one(conn, "SELECT count(*) AS n FROM exec_log WHERE task_key = %s", key)["n"]
 
 
+def _started(conn, key: str, timeout: float = 30.0):
+    """When the task `key` started, by its handler's own record, once it has (run once)."""
+    wait_for(lambda: _executions(conn, key) == 1, timeout=timeout, interval=0.02,
+             what=f"task {key} to start")
+    return _one(conn, "SELECT started_at FROM exec_log WHERE task_key = %s", key)["started_at"]
+
+
 def _wait_for_notifier(conn, worker) -> None:
     wait_for(lambda: _one(conn, "SELECT count(*) AS n FROM pg_stat_activity WHERE "
                           "application_name = %s", f"jobrunner-notifier {worker.pid}")["n"] == 1,
@@ -151,27 +158,41 @@ def test_a_waiting_worker_sends_no_statement(dsn, conn, tmp_path, capsys):
         conn.rollback()
         last = max(r["state_change"] for r in before)
         # Its last claim found nothing and nothing is pending (task_next_due), so its next
-        # poll comes 30-90 s after it (idle_fallback); its backstop sweep ran at start and
-        # runs again 24-36 s later; holding no lease it sends no heartbeat. Watch until
-        # 16 s after its last statement: a worker that polled every 0.2-0.5 s would have
-        # sent forty, and one that polled at the blocked pace (5-15 s: idle_blocked, the
-        # fallback before) at least one.
-        wait = (last - before[0]["now"]).total_seconds() + 16.0
-        time.sleep(max(0.0, wait))
-        after = conn.execute(sql, (backends,)).fetchall()
-        conn.rollback()
+        # poll comes 30-90 s after it (idle_fallback); holding no lease it sends no
+        # heartbeat; its backstop sweep (on its heartbeat connection) ran at start and
+        # runs again 24-36 s later. So: nothing at all on either connection for 4.5 s
+        # after its last statement (a worker polling every 0.2-0.5 s would have sent ten),
+        # and no poll on its queue connection for 16 s (one polling at the blocked pace,
+        # 5-15 s: idle_blocked, the fallback before, would have sent one). The backstop
+        # sweep may come within those 16 s on a slow start: it is not a poll.
+        def look_at(seconds_after_last: float) -> list:
+            wait = (last - before[0]["now"]).total_seconds() + seconds_after_last
+            time.sleep(max(0.0, wait))
+            rows = conn.execute(sql, (backends,)).fetchall()
+            conn.rollback()
+            return rows
+
+        soon = look_at(4.5)
+        later = look_at(16.0)
         leader_pid = _leader_pid(conn)
     finally:
         _stop(*workers)
-    show(capsys, f"a waiting worker: no statement in the 16 s after its last one, watched "
-         f"for the last {wait:.1f} s (its connections' last statements at "
-         f"{[str(r['state_change'].time()) for r in after]})")
+
+    def changes(rows: list, only: str = "") -> list:
+        return [(r["application_name"], r["state_change"]) for r in rows
+                if r["application_name"].startswith(only)]
+
+    show(capsys, f"a waiting worker: no statement in the 4.5 s after its last one, no poll "
+         f"in the 16 s after it (its connections' last statements at "
+         f"{[str(r['state_change'].time()) for r in later]})")
     assert leader_pid is not None and leader_pid != waiting.pid
-    # (the quiet span proven: from its last statement to the look after, by the server's
-    # clock; longer than the 5-15 s at which a task due but blocked is looked at again)
-    assert (after[0]["now"] - last).total_seconds() >= 15.9
-    assert [(r["application_name"], r["state_change"]) for r in after] == \
-        [(r["application_name"], r["state_change"]) for r in before]
+    # (the quiet spans proven, by the server's clock: from its last statement to each look)
+    assert (soon[0]["now"] - last).total_seconds() >= 4.4
+    assert (later[0]["now"] - last).total_seconds() >= 15.9
+    assert changes(soon) == changes(before)
+    queue_connection = "jobrunner-worker"
+    assert len(changes(before, queue_connection)) == 1, changes(before)
+    assert changes(later, queue_connection) == changes(before, queue_connection)
 
 
 def test_a_task_behind_a_shard_another_ack_frees_starts_within_seconds(
@@ -196,10 +217,7 @@ def test_a_task_behind_a_shard_another_ack_frees_starts_within_seconds(
         conn.commit()
         acked = _one(conn, "SELECT finished_at FROM agent_work_queue WHERE task_key = 'first'"
                      )["finished_at"]
-        wait_for(lambda: _executions(conn, "second") == 1, timeout=40, interval=0.05,
-                 what="the second task")
-        started = _one(conn, "SELECT started_at FROM exec_log WHERE task_key = 'second'"
-                       )["started_at"]
+        started = _started(conn, "second", timeout=40)
     finally:
         _stop(worker)
     late = (started - acked).total_seconds()
@@ -251,10 +269,7 @@ def test_through_pgbouncer_the_notifier_connects_directly(dsn, conn, tmp_path, c
             Queue(conn).enqueue("b", "acme", [TaskSpec("second", {})])
             enqueued = _one(conn, "SELECT created_at FROM agent_work_queue "
                             "WHERE task_key = 'second'")["created_at"]
-            wait_for(lambda: _executions(conn, "second") == 1, timeout=30,
-                     interval=0.02, what="the second task")
-            started = _one(conn, "SELECT started_at FROM exec_log WHERE task_key = 'second'"
-                           )["started_at"]
+            started = _started(conn, "second")
         finally:
             _stop(worker)
     finally:
@@ -338,10 +353,7 @@ def test_resuming_a_paused_limit_wakes_the_waiting_workers(dsn, conn, tmp_path, 
         resumed = _one(conn, "SELECT clock_timestamp() AS t")["t"]
         assert console_store.resume_limit(conn, "llm")
         conn.commit()
-        wait_for(lambda: _executions(conn, "limited") == 1, timeout=30, interval=0.02,
-                 what="the limited task")
-        started = _one(conn, "SELECT started_at FROM exec_log WHERE task_key = 'limited'"
-                       )["started_at"]
+        started = _started(conn, "limited")
     finally:
         _stop(worker)
     delay = (started - resumed).total_seconds()
