@@ -20,14 +20,18 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 
+import psycopg
 import pytest
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
 from jobrunner.store import console as console_store
 from jobrunner.store import flowcontrol as limits
+from jobrunner.worker.config import WorkerConfig
+from jobrunner.worker.process import Worker
 from tests.support import pgbouncer
 from tests.support.figures import show
 from tests.support.processes import child_env, start_worker, wait_for
@@ -361,3 +365,60 @@ def test_resuming_a_paused_limit_wakes_the_waiting_workers(dsn, conn, tmp_path, 
     # a note and a claim: tens of ms; 2 s for a loaded CI machine, below the 4 s the
     # fallback poll was still away at least
     assert 0 < delay <= 2.0
+
+
+def test_a_quiet_worker_looks_before_it_claims_and_claims_what_came_due(dsn, conn, capsys):
+    """Waking from its fallback poll with no note heard and no retry due, a waiting worker
+    asks when its batch's next task is due (task_next_due, a read) instead of claiming:
+    a claim is planned afresh behind a transaction pooler and costs ten times more. What
+    came due without a note (here: a task moved due by hand) is claimed at that look."""
+    Queue(conn).enqueue("b", "acme", [TaskSpec("later", {})])
+    conn.execute("UPDATE agent_work_queue SET run_after = now() + interval '1 hour' "
+                 "WHERE task_key = 'later'")
+    conn.commit()
+    started: list[float] = []
+
+    def handler(task) -> None:
+        started.append(time.monotonic())
+
+    fallback = (0.3, 0.4)  # (the default is 30-90 s: the test would wait minutes)
+    worker = Worker(WorkerConfig(dsn=dsn, batch_id="b", handler=handler,
+                                 idle_fallback=fallback, idle_blocked=fallback,
+                                 idle_warm=0.2, grace_period=1))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    mine = f"jobrunner-worker {worker.worker_id}"
+    waiting = ("SELECT count(*) AS n FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+               "WHERE NOT l.granted AND a.application_name = %s")
+    try:
+        wait_for(lambda: worker.notifier is not None and worker.notifier.connected.is_set(),
+                 what="the worker's notifier")
+        time.sleep(1.0)  # past its first claim, made on start
+        # A claim (an UPDATE) needs ROW EXCLUSIVE on the table, which SHARE blocks; the
+        # look, a read, does not. Held over several fallback polls: a worker that claims
+        # on waking is seen waiting for the lock.
+        locker = psycopg.connect(dsn, autocommit=False)
+        try:
+            locker.execute("LOCK TABLE agent_work_queue IN SHARE MODE")
+            blocked = []
+            deadline = time.monotonic() + 4 * fallback[1]
+            while time.monotonic() < deadline:
+                blocked.append(_one(conn, waiting, mine)["n"])
+                time.sleep(0.02)
+        finally:
+            locker.rollback()
+            locker.close()
+        conn.execute("UPDATE agent_work_queue SET run_after = now() WHERE task_key = 'later'")
+        conn.commit()  # (no note: only a look can find it)
+        due_at = time.monotonic()
+        wait_for(lambda: started, timeout=10, interval=0.01, what="the task to start")
+    finally:
+        worker.request_stop()
+        thread.join(30)
+    latency = started[0] - due_at
+    show(capsys, f"a quiet worker: 0 claims in {len(blocked)} looks at its locks over "
+         f"{4 * fallback[1]:.1f} s of fallback polls; a task due without a note started "
+         f"{latency * 1000:.0f} ms later (fallback {fallback[0]}-{fallback[1]} s)")
+    assert max(blocked) == 0, blocked
+    # at its next look: within one fallback poll, plus a claim and a loaded machine's second
+    assert latency <= fallback[1] + 1.0

@@ -30,7 +30,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from jobrunner.features.reduce import drain_open
 from jobrunner.features.workerpools import pool_open
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker logs on)
 
 _NONE_BUSY: frozenset[int] = frozenset()
+_UNKNOWN = object()  # (_idle_wait: no look taken yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,10 @@ class Producer:
         # Set by the notifier when tasks were enqueued into the pool: they may be laid
         # before this worker's scan position, so the next claim scans from the start.
         self._rescan = subscription.rescan if subscription is not None else threading.Event()
+        # The subscription's noted_at when this worker began a quiet sleep (nothing due,
+        # as far as task_next_due could tell): if it wakes with no note and no retry come
+        # due, it looks (task_next_due) before it claims. None: claim on waking.
+        self._quiet_mark: float | None = None
 
     # -- the claim loop ----------------------------------------------------------------
     def run(self) -> None:
@@ -119,6 +124,13 @@ class Producer:
             # Acks ride along with the next claim; they wait (at most max_ack_delay) only
             # while claimed tasks are still being started from the local buffer.
             outcomes = completer.due(want > 0 or stop_claiming)
+            if want and not outcomes and not state.in_flight() and not state.unacked:
+                quiet, ahead = self._quiet_look()
+                if quiet:
+                    # (the fallback poll's work is this one look, not a claim: a claim is
+                    # planned afresh behind a transaction pooler and costs ten times more)
+                    state.sleep(self._until_room(self._idle_wait(ahead=ahead)))
+                    continue
             claimed: list[Lease] = []
             if outcomes or want:
                 claimed = self._complete_and_claim(outcomes, want, wait_busy=True)
@@ -144,11 +156,14 @@ class Producer:
                 continue
             state.sleep(self._until_room(self._idle_wait()))
 
-    def _idle_wait(self, *, look_ahead: bool = True) -> float:
+    def _idle_wait(self, *, look_ahead: bool = True,
+                   ahead: float | object | None = _UNKNOWN) -> float:
         """How long a worker with a free slot and nothing to claim sleeps: with a connected
         notifier, until the earliest retry time it was told of or the slow fallback poll
-        (notes wake it earlier); without one, the fast idle poll."""
+        (notes wake it earlier); without one, the fast idle poll. `ahead`: what a look
+        (task_next_due) just said, so as not to ask again."""
         cfg, sub = self.config, self.subscription
+        self._quiet_mark = None
         if sub is None or self.notifier is None or not self.notifier.connected.is_set():
             return random.uniform(*cfg.idle_poll)
         now = time.monotonic()
@@ -166,14 +181,31 @@ class Producer:
             # something no note announces.
             # (without look_ahead, for a caller that looks again within seconds anyway,
             # no statement: the shorter of the two)
-            ahead = self._next_due() if look_ahead else 0.0
+            if ahead is _UNKNOWN:
+                ahead = self._next_due() if look_ahead else 0.0
+            ahead = cast("float | None", ahead)
             if ahead is not None and ahead <= 0:
                 poll = random.uniform(*cfg.idle_blocked)
             else:
                 poll = random.uniform(*cfg.idle_fallback)
                 if ahead is not None:
                     poll = min(poll, ahead + random.uniform(0.002, 0.01))
+                self._quiet_mark = sub.noted_at
         return max(0.0, min(poll, due))
+
+    def _quiet_look(self) -> tuple[bool, float | None]:
+        """On waking from a quiet sleep with no note heard and no retry come due (the
+        fallback poll, or the next task's due time): whether it is still quiet, by the
+        look (task_next_due: nothing pending, or nothing due yet) rather than a claim,
+        and what the look said. A lost note's work is due now, so the look finds it."""
+        mark, self._quiet_mark = self._quiet_mark, None
+        sub = self.subscription
+        if (mark is None or sub is None or sub.noted_at != mark or self._rescan.is_set()
+                or self.notifier is None or not self.notifier.connected.is_set()
+                or sub.due_in(time.monotonic()) <= 0):
+            return False, None
+        ahead = self._next_due()
+        return ahead is None or ahead > 0, ahead
 
     def _next_due(self) -> float | None:
         claim = self.claim
