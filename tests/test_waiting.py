@@ -422,3 +422,38 @@ def test_a_quiet_worker_looks_before_it_claims_and_claims_what_came_due(dsn, con
     assert max(blocked) == 0, blocked
     # at its next look: within one fallback poll, plus a claim and a loaded machine's second
     assert latency <= fallback[1] + 1.0
+
+
+def test_a_retry_is_its_own_workers_and_another_looks_for_it_a_little_later(
+        dsn, conn, tmp_path, capsys):
+    """A retry's own worker claims it at its run_after; every other waiting worker looks
+    for it 0.1-0.6 s later (notifier.BACKUP_DELAY), not in the same instant: a fleet of
+    1,000 waiting pods sent 1,000 claims at once for one retry. So when the worker whose
+    attempt failed is gone, another starts the retry within that spread, never before."""
+    Queue(conn).enqueue("b", "acme", [TaskSpec("flaky", {"succeed_on": 2})])
+    # (backoff base 2 s: due 4-5 s after the failure, past both workers' warm 2 s, so
+    # neither is still polling fast when it comes due)
+    workers = [start_worker(dsn, "b", "tests.support.handlers:flaky", "--backoff-base", "2",
+                            log=tmp_path / f"w{i}.log") for i in range(2)]
+    try:
+        failed = wait_for(lambda: _one(conn, "SELECT worker FROM agent_task_attempt "
+                                       "WHERE attempt = 1"), interval=0.01,
+                          what="the failed first attempt")
+        owner = next(w for w in workers if f"-{w.pid}-" in failed["worker"])
+        os.killpg(owner.pid, signal.SIGKILL)  # (before its retry is due, 4 s away)
+        due = _one(conn, "SELECT run_after, clock_timestamp() AS now FROM agent_work_queue "
+                         "WHERE task_key = 'flaky' AND status = 'pending'")
+        assert (due["run_after"] - due["now"]).total_seconds() > 1.0, due
+        wait_for(lambda: _one(conn, "SELECT count(*) AS n FROM exec_log WHERE attempt = 2")["n"],
+                 timeout=30, interval=0.02, what="the retry")
+        row = _one(conn, "SELECT worker, started_at FROM exec_log WHERE attempt = 2")
+    finally:
+        _stop(*workers)
+    other = next(w for w in workers if w is not owner)
+    late = (row["started_at"] - due["run_after"]).total_seconds()
+    show(capsys, f"a retry whose worker was killed started on another {late * 1000:.0f} ms "
+         f"after its run_after (that worker looks 100-600 ms after)")
+    assert f"-{other.pid}-" in row["worker"]
+    # not in the instant it came due (its own worker's), at most the spread's end plus a
+    # loaded machine's second
+    assert 0.1 <= late <= 0.6 + 1.0

@@ -57,6 +57,12 @@ def listen_dsn(dsn: str, explicit: str | None = None) -> str | None:
     return None if db.transaction_pooling() else dsn
 
 
+# Seconds after another worker's retry comes due that a waiting worker looks for it
+# (Subscription._backup_at): the retry's own worker claims it at once; this is for when
+# that worker is busy or gone, spread so that a fleet's looks do not come together.
+BACKUP_DELAY = (0.1, 0.6)
+
+
 @dataclass(eq=False)
 class Subscription:
     """What one worker hears: its batch's (or pool's) notes, and its wake-up event."""
@@ -72,7 +78,13 @@ class Subscription:
     # that got tasks does, so a worker that woke to an empty claim (others took the new
     # rows first, or their shards are held) keeps looking while the work lasts
     noted_at: float = -math.inf
+    # when a retry of this worker's own failures comes due: it claims then
     _due_at: float = math.inf
+    # when another worker's retry (heard of: task_retry_notify) comes due, plus a spread
+    # of BACKUP_DELAY: its own worker claims it at the due time; the others only look
+    # (task_next_due) then, a read, and claim if it is still due. A fleet of 1,000
+    # waiting pods would otherwise send 1,000 claims in the same instant for one retry.
+    _backup_at: float = math.inf
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -82,19 +94,35 @@ class Subscription:
     def due_in(self, now: float) -> float:
         """Seconds until the earliest retry this worker was told of (inf: none)."""
         with self._lock:
-            return self._due_at - now
+            return min(self._due_at, self._backup_at) - now
+
+    def own_due(self, now: float) -> bool:
+        """Whether a retry of this worker's own failures has come due."""
+        with self._lock:
+            return self._due_at <= now
 
     def clear_due(self, now: float) -> None:
-        """Forget retry times that have come (the claim about to run covers them)."""
+        """Forget retry times that have come (the claim or look about to run covers them)."""
         with self._lock:
             if self._due_at <= now:
                 self._due_at = math.inf
+            if self._backup_at <= now:
+                self._backup_at = math.inf
 
     def due(self, at: float) -> None:
+        """A retry of this worker's own failure comes due at `at` (monotonic)."""
         with self._lock:
             if at < self._due_at:
                 self._due_at = at
                 self.wake.set()  # (the sleeping loop re-reads its deadline)
+
+    def backup(self, at: float) -> None:
+        """Another worker's retry comes due at `at`: look a little later (see _backup_at)."""
+        at += random.uniform(*BACKUP_DELAY)
+        with self._lock:
+            if at < self._backup_at:
+                self._backup_at = at
+                self.wake.set()
 
     def hear(self, channel: str, payload: str, now: float) -> None:
         if channel == "jobrunner_queue":
@@ -110,7 +138,7 @@ class Subscription:
             target, _, seconds = payload.rpartition(" ")
             if target == self.target:
                 try:
-                    self.due(now + max(0.0, float(seconds)))
+                    self.backup(now + max(0.0, float(seconds)))
                 except ValueError:
                     pass
 

@@ -42,6 +42,7 @@ from jobrunner.store import db
 from jobrunner.worker.completer import Completer
 from jobrunner.worker.connection import QueueConnection
 from jobrunner.worker.executor import Executor
+from jobrunner.worker.notifier import BACKUP_DELAY
 from jobrunner.worker.state import Running, WorkerState
 
 if TYPE_CHECKING:
@@ -173,8 +174,9 @@ class Producer:
         if now - max(self._claimed_at, sub.noted_at) < cfg.idle_warm:
             # just busy or just told of work: a claim can come back empty while work
             # remains that no note announces (a shard released by an ack, rows a
-            # concurrent claim held locked)
+            # concurrent claim held locked); each poll looks before it claims, as below
             poll = random.uniform(*cfg.idle_poll)
+            self._quiet_mark = sub.noted_at
         else:
             # Long only if nothing is due before it ends: a task due now that the claim
             # did not get (its shard busy, its limit full, its budget spent) waits on
@@ -189,7 +191,9 @@ class Producer:
             else:
                 poll = random.uniform(*cfg.idle_fallback)
                 if ahead is not None:
-                    poll = min(poll, ahead + random.uniform(0.002, 0.01))
+                    # (a little after: its own retries' times end the sleep exactly, via
+                    # `due`; another's retry is its worker's to claim: BACKUP_DELAY)
+                    poll = min(poll, ahead + random.uniform(*BACKUP_DELAY))
                 self._quiet_mark = sub.noted_at
         return max(0.0, min(poll, due))
 
@@ -202,8 +206,9 @@ class Producer:
         sub = self.subscription
         if (mark is None or sub is None or sub.noted_at != mark or self._rescan.is_set()
                 or self.notifier is None or not self.notifier.connected.is_set()
-                or sub.due_in(time.monotonic()) <= 0):
+                or sub.own_due(time.monotonic())):
             return False, None
+        # (another worker's retry come due is looked for, not claimed: Subscription.backup)
         ahead = self._next_due()
         return ahead is None or ahead > 0, ahead
 
