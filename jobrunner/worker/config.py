@@ -41,7 +41,8 @@ class WorkerConfig:
     # or a limit's room. Before it does, it asks when its batch's (or pool's) earliest
     # pending task is due (task_next_due, one index probe). Nothing pending, or nothing
     # due before the sleep would end: this slow poll, which only covers notes that were
-    # lost (every transition that makes a task claimable sends one, but one: below).
+    # lost (every transition that makes a task claimable sends one, but one: below). The
+    # poll is that look again, not a claim; it claims only if a task is due.
     idle_fallback: tuple[float, float] = (30.0, 90.0)
     # ... a task due now that its claim did not get: its shard is busy (an ack that frees
     # a shard sends no note: a NOTIFY per ack would cost every task one), a concurrent

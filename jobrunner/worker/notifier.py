@@ -8,6 +8,8 @@ Guarantees:
   the server nothing between notes: its claim loop sleeps until a note, until the
   earliest retry time it was told of, until a full limit has room, or until its slow
   fallback poll (a minute, with jitter), which exists only for notes that were lost.
+  A retry time heard from another worker wakes it 0.1-0.6 s late (BACKUP_DELAY) and
+  only to look: the retry is its own worker's to claim at the time (Subscription).
 - `connected` is set only while the LISTEN session is up. While it is not (never
   connected, reconnecting, or no direct DSN behind PgBouncer's transaction pooling),
   workers poll at their fast idle interval as before; when it comes back, every

@@ -12,10 +12,13 @@ Guarantees:
   With async handlers (they run on the executor's event loop and do not chain) the claim
   loop claims for every free slot in one statement, the acks of what finished with it.
 - Idle with a connected notifier (jobrunner/worker/notifier.py), it sleeps until a note
-  for its batch or pool, the earliest retry time it was told of, a full limit's room
+  for its batch or pool, its own failures' retry times, a full limit's room
   (Queue.limit_wait), or the slow fallback poll (idle_fallback, a minute with jitter)
   that covers lost notes; sooner (idle_blocked) while a task is due that its claim did
-  not get, and the batch's next pending task's due time (task_next_due) at the latest.
+  not get, and a little after (notifier.BACKUP_DELAY) the batch's next pending task's
+  due time (task_next_due) or another worker's retry time at the latest. Waking with no
+  note and no retry of its own due, it first looks (task_next_due, a read) and claims
+  only if a task is due: a lost note's work is due, so the look finds it.
   Without one (--no-listen, a transaction pooler without a direct DSN, the notifier
   reconnecting) it polls every idle_poll, as before.
 - After max_tasks claims it claims no more and gives back what it has not started;
