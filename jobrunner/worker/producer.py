@@ -128,15 +128,16 @@ class Producer:
             # Acks ride along with the next claim; they wait (at most max_ack_delay) only
             # while claimed tasks are still being started from the local buffer.
             outcomes = completer.due(want > 0 or stop_claiming)
+            quiet = False
             if want and not outcomes and not state.in_flight() and not state.unacked:
                 quiet, ahead = self._quiet_look()
-                if quiet:
+                if quiet and not cfg.exit_when_drained:
                     # (the fallback poll's work is this one look, not a claim: a claim is
                     # planned afresh behind a transaction pooler and costs ten times more)
                     state.sleep(self._until_room(self._idle_wait(ahead=ahead)))
                     continue
             claimed: list[Lease] = []
-            if outcomes or want:
+            if (outcomes or want) and not quiet:  # (quiet: on to the drain check)
                 claimed = self._complete_and_claim(outcomes, want, wait_busy=True)
             self._start_from_buffer()
             if stop_claiming and not state.in_flight() and not state.unacked:
