@@ -30,6 +30,7 @@ from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
 from jobrunner.store import console as console_store
 from jobrunner.store import flowcontrol as limits
+from jobrunner.store import tasks as task_store
 from jobrunner.worker.config import WorkerConfig
 from jobrunner.worker.process import Worker
 from tests.support import pgbouncer
@@ -457,3 +458,32 @@ def test_a_retry_is_its_own_workers_and_another_looks_for_it_a_little_later(
     # not in the instant it came due (its own worker's), at most the spread's end plus a
     # loaded machine's second
     assert 0.1 <= late <= 0.6 + 1.0
+
+
+def test_the_look_says_due_now_when_a_pools_first_entries_hide_what_is_due(
+        conn, monkeypatch):
+    """A pool's look (task_next_due_pool) reads its first NEXT_DUE_SCAN entries in claim
+    order. When all of them wait out a backoff, a task due further on would be found only
+    by a claim: the look then says "due now", so the worker claims as it did before it
+    looked, rather than sleeping until the soonest backoff ends."""
+    monkeypatch.setattr(task_store, "NEXT_DUE_SCAN", 3)
+    q = Queue(conn)
+    q.enqueue("p1", "acme", [TaskSpec(f"t{i}", {}) for i in range(4)], pool="p")
+    conn.commit()
+    order = [r["task_key"] for r in conn.execute(
+        "SELECT task_key FROM agent_work_queue WHERE pool = 'p' ORDER BY vtag, id")]
+    conn.execute("UPDATE agent_work_queue SET run_after = now() + interval '1 hour' "
+                 "WHERE task_key = ANY(%s)", (order[:3],))
+    conn.commit()
+    assert q.next_due(pool="p") <= 0  # (the fourth, due, lies beyond the three read)
+    conn.execute("DELETE FROM agent_work_queue WHERE task_key = %s", (order[3],))
+    conn.execute("UPDATE agent_work_queue SET run_after = now() + interval '1 hour' "
+                 "WHERE task_key = %s", (order[2],))
+    conn.execute("DELETE FROM agent_work_queue WHERE task_key = %s", (order[0],))
+    conn.commit()
+    assert 3500 < q.next_due(pool="p") <= 3600  # (two read, none due: when the first is)
+    conn.execute("UPDATE agent_work_queue SET run_after = now() WHERE task_key = %s",
+                 (order[1],))
+    conn.commit()
+    assert q.next_due(pool="p") <= 0
+    assert q.next_due(batch_id="nothing-here") is None

@@ -569,11 +569,13 @@ SELECT extract(epoch FROM (
 
 -- name: task_next_due_pool
 -- As task_next_due, for a pool's pending tasks: the pool's pending index is in claim
--- order (vtag), not time, so the earliest of its first %(scan)s entries (a pool whose
--- first entries are all retries waiting out their backoff reads no further: a worker
--- then looks again at the soonest of them).
+-- order (vtag), not time, so the earliest of its first %(scan)s entries. A pool whose
+-- first %(scan)s entries are all retries waiting out their backoff may have a task due
+-- further on, which the claim would find: then "due now" (the worker claims, as it did
+-- before it looked).
 SELECT extract(epoch FROM (
-    SELECT min(p.run_after) FROM (
+    SELECT CASE WHEN count(*) >= %(scan)s THEN least(min(p.run_after), now())
+                ELSE min(p.run_after) END FROM (
         SELECT q.run_after FROM agent_work_queue q
         WHERE q.pool = %(pool)s AND q.status = 'pending'
         ORDER BY q.vtag, q.id
