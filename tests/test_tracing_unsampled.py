@@ -4,15 +4,18 @@ At 1 % sampling 99 % of the attempts are not sampled, and whatever tracing does 
 is paid on every task: an unsampled attempt is the sampler's decision and a non-recording
 span made current (so that the handler's own spans and calls inherit the decision), and
 nothing more: no read of its enqueue's stored context (a statement), no attributes, no
-event, no context variable. A sampled one gets all of it. An in-memory exporter and the
-SDK's own samplers; no database (the read is a recorded callable).
+event, no context variable. A sampled one gets all of it, its read in one statement. An
+in-memory exporter and the SDK's own samplers; the read is a recorded callable but in the
+last test, on a real PostgreSQL.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -28,9 +31,14 @@ from opentelemetry.sdk.trace.sampling import (
     Sampler,
     SamplingResult,
 )
+from psycopg.pq import TransactionStatus
 
 from jobrunner.model.types import Lease
+from jobrunner.model.validation import TaskSpec
 from jobrunner.observability import tracing
+from jobrunner.queue.client import Queue
+from jobrunner.runtime.effects import Effects
+from jobrunner.store import tasks as task_store
 
 STORED = ('{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",'
           ' "baggage": "team=search"}')
@@ -152,3 +160,26 @@ def test_a_sampled_attempt_reads_its_context_once_and_records_it_all(traced):
     (pending,) = [e for e in span.events if e.name == "pending"]
     assert 1.5 < pending.attributes["jobrunner.pending.seconds"] < 60
     assert span.status.status_code == trace.StatusCode.ERROR
+
+
+def test_a_sampled_attempts_context_read_is_one_statement(dsn, conn):
+    """Outside a transaction (autocommit), so no BEGIN and COMMIT around it; the pool's
+    connection goes back as it came (the effects' own transactions need it so)."""
+    Queue(conn).enqueue("b", "acme", [TaskSpec("t", {})])
+    conn.execute("UPDATE agent_work_queue SET trace_context = %s::jsonb", (STORED,))
+    task_id = conn.execute("SELECT id FROM agent_work_queue").fetchone()["id"]
+    conn.commit()
+    effects = Effects(dsn, max_connections=1)  # (one connection: the same one both times)
+    seen: list[tuple[object, ...]] = []
+
+    def read(c: psycopg.Connection) -> str | None:
+        stored = task_store.trace_context(c, task_id)
+        seen.append((c.info.transaction_status, c.autocommit))
+        return stored
+
+    try:
+        assert json.loads(effects.read(read) or "") == json.loads(STORED)
+        effects.run(lambda c: seen.append((c.autocommit,)))
+    finally:
+        effects.close()
+    assert seen == [(TransactionStatus.IDLE, True), (False,)]
