@@ -21,12 +21,11 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from datetime import datetime
+from typing import Any, Protocol
 
 from opentelemetry import baggage, context, propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
-
-from jobrunner.model.types import Lease
 
 log = logging.getLogger("jobrunner.tracing")
 
@@ -189,6 +188,28 @@ class Attempt:
         self._state: contextvars.Token[Attempt | None] | None = None
 
 
+class Claimed(Protocol):
+    """What an attempt's span needs of its lease (jobrunner.model.types.Lease; this
+    package is below the model and imports nothing of jobrunner)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def batch_id(self) -> str: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def tenant_id(self) -> str: ...
+    @property
+    def shard_key(self) -> str | None: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def max_attempts(self) -> int: ...
+    @property
+    def run_after(self) -> datetime | None: ...
+
+
 _ROOT = context.Context()  # (no parent: each attempt's span starts a trace of its own)
 _attempt: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar(
     "jobrunner_attempt", default=None)
@@ -208,7 +229,7 @@ def _for_sampler(batch_id: str) -> dict[str, Any]:
     return attributes
 
 
-def start_attempt(lease: Lease, load_context: Callable[[], str | None]) -> Attempt:
+def start_attempt(lease: Claimed, load_context: Callable[[], str | None]) -> Attempt:
     """Start the CONSUMER span of one attempt and make it current (finish_attempt ends
     it). `load_context()` reads the enqueue's stored context, for the span's link; it is
     called only when the span is sampled.
@@ -237,7 +258,7 @@ def start_attempt(lease: Lease, load_context: Callable[[], str | None]) -> Attem
     return state
 
 
-def _record_start(state: Attempt, lease: Lease, load_context: Callable[[], str | None]
+def _record_start(state: Attempt, lease: Claimed, load_context: Callable[[], str | None]
                   ) -> None:
     span = state.span
     span.set_attributes({
