@@ -213,8 +213,8 @@ class Claimed(Protocol):
 _ROOT = context.Context()  # (no parent: each attempt's span starts a trace of its own)
 _attempt: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar(
     "jobrunner_attempt", default=None)
-# The attributes a sampler is given, per batch (the messaging conventions' sampling-relevant
-# ones): built once, not per attempt. The rest are set only on a sampled span.
+# The attributes a sampler is given (the messaging conventions' ones a sampler may decide
+# on), per batch: built once, not per attempt. The rest are set only on a sampled span.
 _sampling_attributes: dict[str, dict[str, Any]] = {}
 
 
@@ -235,12 +235,12 @@ def start_attempt(lease: Claimed, load_context: Callable[[], str | None]) -> Att
     called only when the span is sampled.
 
     An unsampled attempt (99 % of them at 1 % sampling) costs the sampler's decision and
-    the current span's switch, nothing more: no attributes, no read of its stored
-    context, no event, nothing to end. Each line of Python on this path is paid on every
-    task, and cold: between two tasks the worker's caches are the database driver's and
-    other processes', and the old path (a generator context manager, a dozen attributes,
-    a context variable, the end of a span that records nothing) cost some 45 µs of worker
-    CPU per task at claim batch 1 (bench/results/issue-32-tracing-cost.md)."""
+    the current span's switch, nothing more: no attributes but the sampler's, no read of
+    its stored context, no event, nothing to end. Each line of Python on this path is
+    paid on every task, and cold: between two tasks the worker's caches hold the database
+    driver's and other processes' data, and the old path (a generator context manager, a
+    dozen attributes, a context variable, the end of a span that records nothing) cost
+    30-52 µs of worker CPU per task (bench/results/issue-32-tracing-cost.md)."""
     # A new root: an attempt is not part of its enqueue's trace (it would keep that trace
     # open for hours), it links to it.
     span = _tracer.start_span("process", context=_ROOT, kind=SpanKind.CONSUMER,
