@@ -110,8 +110,9 @@ slots_freed AS (
 -- its ack again with its next statement. Who holds it: almost always a claimer whose
 -- snapshot predates our claim's commit: its SKIP LOCKED scan still saw the row as
 -- pending, locked the newest version and only then found it leased, and keeps that
--- lock until it commits. Waiting for that commit (and its WAL flush) cost a quarter of
--- the statement time at 4 workers; otherwise the expirer (then the next try finds the
+-- lock until it commits (a scan from the start; one from a position leaves such rows
+-- out: see "Untouched rows"). Waiting for that commit (and its WAL flush) cost a quarter
+-- of the statement time at 4 workers; otherwise the expirer (then the next try finds the
 -- lease lost).
 --
 -- Claim: pick ready rows with FOR UPDATE SKIP LOCKED (rows other claimers hold are
@@ -161,10 +162,13 @@ slots_freed AS (
 -- again with its next statement, its shard held the while. At 16 workers on two cores that
 -- was 40 %% of acks and a third more server CPU per task (docs/performance.md, issue 33).
 -- So a scan from a position leaves out a row whose version in its snapshot has an xmax
--- (another transaction updated or locked it after this snapshot's pending version was
--- written): a row being claimed, or claimed since, or locked by a claim that then passed
--- it over (its shard was busy). It is only a filter: what may be claimed is still
--- decided by the row lock, the status and the shard lease. A row left out that is still
+-- other than its xmin: another transaction updated or locked it after this pending
+-- version was written (a row being claimed, or claimed since, or locked by a claim that
+-- then passed it over, its shard busy). (xmax = xmin: the transaction that made the row
+-- pending again, expiry, a retry or a release, had locked the row before updating it,
+-- and PostgreSQL carries its own lock over to the new version.) It is only a filter:
+-- what may be claimed is still decided by the row lock, the status and the shard
+-- lease. A row left out that is still
 -- claimable (its locker passed it over, or rolled back) waits for the worker's next scan
 -- from the start, which does not filter, as a row whose shard was busy already did: at
 -- most about a second, or at once after a claim that came back short.
@@ -194,7 +198,7 @@ candidates AS (
       AND (q.run_after, q.id) > (%(after_run_after)s::timestamptz, %(after_id)s::bigint)
       -- A scan from a position passes over a row whose pending version another
       -- transaction has touched since (see "Untouched rows"); one from the start does not.
-      AND (%(after_id)s::bigint = 0 OR q.xmax = 0)
+      AND (%(after_id)s::bigint = 0 OR q.xmax = 0 OR q.xmax = q.xmin)
       AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
@@ -309,7 +313,7 @@ candidates AS (
       AND (q.run_after, q.id) > (%(after_run_after)s::timestamptz, %(after_id)s::bigint)
       -- A scan from a position passes over a row whose pending version another
       -- transaction has touched since (see "Untouched rows"); one from the start does not.
-      AND (%(after_id)s::bigint = 0 OR q.xmax = 0)
+      AND (%(after_id)s::bigint = 0 OR q.xmax = 0 OR q.xmax = q.xmin)
       AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
@@ -736,7 +740,7 @@ candidates AS (
       AND (q.vtag, q.id) > (%(after_vtag)s::float8, %(after_id)s::bigint)
       -- A scan from a position passes over a row whose pending version another
       -- transaction has touched since (see "Untouched rows"); one from the start does not.
-      AND (%(after_id)s::bigint = 0 OR q.xmax = 0)
+      AND (%(after_id)s::bigint = 0 OR q.xmax = 0 OR q.xmax = q.xmin)
       AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
@@ -824,7 +828,7 @@ candidates AS (
       AND (q.vtag, q.id) > (%(after_vtag)s::float8, %(after_id)s::bigint)
       -- A scan from a position passes over a row whose pending version another
       -- transaction has touched since (see "Untouched rows"); one from the start does not.
-      AND (%(after_id)s::bigint = 0 OR q.xmax = 0)
+      AND (%(after_id)s::bigint = 0 OR q.xmax = 0 OR q.xmax = q.xmin)
       AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
