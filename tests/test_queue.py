@@ -538,3 +538,26 @@ def test_claims_resume_after_their_last_position_and_rescan_from_the_start(queue
     assert queue.ack(W1, d)
     other.FULL_SCAN_EVERY = 0.0
     assert [lease.key for lease in other.claim("b", W2, limit=1)] == ["e"]
+
+
+def test_a_claim_from_a_position_leaves_out_rows_another_claim_touched(queue: Queue, conn,
+                                                                       dsn):
+    """A scan from a position does not lock a row whose pending version another
+    transaction locked or updated (a stale claimer would hold the newest version's lock
+    and turn the taker's ack 'busy'); the next scan from the start, which does not
+    filter, still claims it if it is claimable (its locker passed it over). A row made
+    pending again by expiry (which locks it before its update) is not left out."""
+    queue.enqueue("b", "acme", tasks(6))
+    assert [lease.key for lease in queue.claim("b", W1, limit=2)] == ["t0", "t1"]
+    # another claim locks t2 and t3, then passes them over (say their shards were busy)
+    with psycopg.connect(dsn) as other:
+        other.execute("SELECT id FROM agent_work_queue WHERE task_key IN ('t2', 't3')"
+                      " FOR UPDATE")
+    assert [lease.key for lease in queue.claim("b", W1, limit=2)] == ["t4", "t5"]
+    assert queue.claim("b", W1, limit=2) == []  # short: the next claim starts over
+    assert [lease.key for lease in queue.claim("b", W1, limit=2)] == ["t2", "t3"]
+    conn.execute("UPDATE agent_work_queue SET locked_until = now() - interval '1 s'"
+                 " WHERE task_key = 't2'")
+    conn.commit()
+    assert [r["status"] for r in queue.expire()] == ["pending"]
+    assert [lease.key for lease in queue.claim("b", W1, limit=1)] == ["t2"]  # (a position)

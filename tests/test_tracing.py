@@ -15,11 +15,13 @@ printed for the CI log.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
 from jobrunner.features.reduce import REDUCE_KEY, ReduceSpec
+from jobrunner.model.types import Lease
 from jobrunner.model.validation import TaskSpec
 from jobrunner.observability import tracing
 from jobrunner.queue.client import Queue
@@ -266,12 +268,16 @@ def test_a_command_handler_continues_the_attempts_trace():
     try:
         task = Task(id=1, key="k", batch_id="b", tenant_id="acme", shard_key=None, payload={},
                     attempt=1, max_attempts=3, worker_id="w")
-        with tracing.process_span(task_id=1, key="k", batch_id="b", tenant_id="acme",
-                                  shard_key=None, attempt=1, max_attempts=3, due_at=None,
-                                  load_context=lambda _: None) as attempt:
+        lease = Lease(id=1, batch_id="b", key="k", tenant_id="acme", shard_key=None,
+                      payload={}, attempt=1, max_attempts=3,
+                      locked_until=datetime.now(UTC))
+        attempt = tracing.start_attempt(lease, lambda: None)
+        try:
             out = CommandHandler("printf '%s' \"$TRACEPARENT\"")(task)
             tracing.record_usage(7, 3, 4, 0.5)
             tracing.end_attempt(attempt, "done")
+        finally:
+            tracing.finish_attempt(attempt)
     finally:
         tracing.use(None)
     (span,) = exported.get_finished_spans()

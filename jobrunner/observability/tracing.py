@@ -21,8 +21,8 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Any, Protocol
 
 from opentelemetry import baggage, context, propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -172,86 +172,141 @@ def _extract(text: str | None) -> context.Context | None:
 OUTCOMES = ("done", "retry", "dead", "lease_lost", "rate_limited")
 
 
-@dataclass
 class Attempt:
-    """What an attempt's span gathers while it runs (tokens and cost: Task.report_usage)."""
+    """An attempt's span while it runs, and what it gathers (tokens and cost:
+    Task.report_usage). `recording`: whether the span is sampled; an unsampled one is
+    only the current span (so that the handler's own spans and calls inherit the
+    decision), and nothing else is done for it."""
 
-    span: trace.Span
-    tokens: int = 0
-    cost: float = 0.0
-    usage_reported: bool = False
+    __slots__ = ("_baggage", "_current", "_state", "cost", "recording", "span", "tokens",
+                 "usage_reported")
+
+    def __init__(self, span: trace.Span, current: object, recording: bool = False) -> None:
+        self.span, self._current, self.recording = span, current, recording
+        self.tokens, self.cost, self.usage_reported = 0, 0.0, False
+        self._baggage: object = None
+        self._state: contextvars.Token[Attempt | None] | None = None
+
+
+class Claimed(Protocol):
+    """What an attempt's span needs of its lease (jobrunner.model.types.Lease; this
+    package is below the model and imports nothing of jobrunner)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def batch_id(self) -> str: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def tenant_id(self) -> str: ...
+    @property
+    def shard_key(self) -> str | None: ...
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def max_attempts(self) -> int: ...
+    @property
+    def run_after(self) -> datetime | None: ...
 
 
 _ROOT = context.Context()  # (no parent: each attempt's span starts a trace of its own)
 _attempt: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar(
     "jobrunner_attempt", default=None)
+# The attributes a sampler is given (the messaging conventions' ones a sampler may decide
+# on), per batch: built once, not per attempt. The rest are set only on a sampled span.
+_sampling_attributes: dict[str, dict[str, Any]] = {}
 
 
-@contextlib.contextmanager
-def process_span(*, task_id: int, key: str, batch_id: str, tenant_id: str,
-                 shard_key: str | None, attempt: int, max_attempts: int,
-                 due_at: float | None, load_context: Callable[[int], str | None]
-                 ) -> Iterator[Attempt]:
-    """The CONSUMER span of one attempt, current while the handler runs. `due_at` (epoch
-    seconds: the task's run_after) gives the time it waited pending once due, an event;
-    `load_context(task_id)` reads the enqueue's stored context, and is called only when
-    this span is sampled, for its link."""
-    attributes: dict[str, Any] = {
-        "messaging.system": SYSTEM, "messaging.operation.type": "process",
-        "messaging.operation.name": "process", "messaging.destination.name": batch_id,
-        "messaging.message.id": str(task_id), "messaging.consumer.group.name": batch_id,
-        "jobrunner.batch": batch_id, "jobrunner.task.key": key,
-        "jobrunner.tenant": tenant_id, "jobrunner.attempt": attempt,
-        "jobrunner.max_attempts": max_attempts}
-    if shard_key is not None:
-        attributes["jobrunner.shard"] = shard_key
+def _for_sampler(batch_id: str) -> dict[str, Any]:
+    attributes = _sampling_attributes.get(batch_id)
+    if attributes is None:
+        if len(_sampling_attributes) >= 1000:  # (a pool's worker sees many batches)
+            _sampling_attributes.clear()
+        attributes = _sampling_attributes[batch_id] = {
+            "messaging.system": SYSTEM, "messaging.operation.type": "process",
+            "messaging.operation.name": "process", "messaging.destination.name": batch_id}
+    return attributes
+
+
+def start_attempt(lease: Claimed, load_context: Callable[[], str | None]) -> Attempt:
+    """Start the CONSUMER span of one attempt and make it current (finish_attempt ends
+    it). `load_context()` reads the enqueue's stored context, for the span's link; it is
+    called only when the span is sampled.
+
+    An unsampled attempt (99 % of them at 1 % sampling) costs the sampler's decision and
+    the current span's switch, nothing more: no attributes but the sampler's, no read of
+    its stored context, no event, nothing to end. Each line of Python on this path is
+    paid on every task, and cold: between two tasks the worker's caches hold the database
+    driver's and other processes' data, and the old path (a generator context manager, a
+    dozen attributes, a context variable, the end of a span that records nothing) cost
+    30-52 µs of worker CPU per task (bench/results/issue-32-tracing-cost.md)."""
     # A new root: an attempt is not part of its enqueue's trace (it would keep that trace
-    # open for hours), it links to it. (start_span and attach, not start_as_current_span:
-    # its two nested generator context managers are on every attempt's path, sampled or
-    # not.)
+    # open for hours), it links to it.
     span = _tracer.start_span("process", context=_ROOT, kind=SpanKind.CONSUMER,
-                              attributes=attributes, record_exception=False,
-                              set_status_on_exception=False)
+                              attributes=_for_sampler(lease.batch_id),
+                              record_exception=False, set_status_on_exception=False)
     current = context.attach(trace.set_span_in_context(span))
-    restore = None
+    if not span.is_recording():
+        return Attempt(span, current)
+    state = Attempt(span, current, recording=True)
     try:
-        if span.is_recording():
-            try:
-                stored = _extract(load_context(task_id))
-            except Exception as exc:  # a trace must never fail an attempt
-                log.debug("task %s: its trace context could not be read: %s", key, exc)
-                stored = None
-            if stored is not None:
-                producer = trace.get_current_span(stored).get_span_context()
-                if producer.is_valid:
-                    span.add_link(producer, {"jobrunner.link": "enqueue"})
-                # The enqueue's baggage travels on to the handler's own calls.
-                ctx = context.get_current()
-                for name, value in baggage.get_all(stored).items():
-                    ctx = baggage.set_baggage(name, value, ctx)
-                restore = context.attach(ctx)
-            if due_at is not None:
-                waited = max(0.0, time.time() - due_at)
-                span.add_event("pending", {"jobrunner.pending.seconds": round(waited, 6)})
-        state = Attempt(span)
-        token = _attempt.set(state)
-        try:
-            yield state
-        finally:
-            _attempt.reset(token)
-            if restore is not None:
-                context.detach(restore)
-    finally:
-        context.detach(current)
-        span.end()
+        _record_start(state, lease, load_context)
+    except Exception as exc:  # a trace must never fail an attempt
+        log.debug("task %s: its span's start was not recorded in full: %s", lease.key, exc)
+    state._state = _attempt.set(state)
+    return state
+
+
+def _record_start(state: Attempt, lease: Claimed, load_context: Callable[[], str | None]
+                  ) -> None:
+    span = state.span
+    span.set_attributes({
+        "messaging.message.id": str(lease.id), "messaging.consumer.group.name": lease.batch_id,
+        "jobrunner.batch": lease.batch_id, "jobrunner.task.key": lease.key,
+        "jobrunner.tenant": lease.tenant_id, "jobrunner.attempt": lease.attempt,
+        "jobrunner.max_attempts": lease.max_attempts})
+    if lease.shard_key is not None:
+        span.set_attribute("jobrunner.shard", lease.shard_key)
+    try:
+        stored = _extract(load_context())
+    except Exception as exc:  # a trace must never fail an attempt
+        log.debug("task %s: its trace context could not be read: %s", lease.key, exc)
+        stored = None
+    if stored is not None:
+        producer = trace.get_current_span(stored).get_span_context()
+        if producer.is_valid:
+            span.add_link(producer, {"jobrunner.link": "enqueue"})
+        # The enqueue's baggage travels on to the handler's own calls.
+        ctx = context.get_current()
+        for name, value in baggage.get_all(stored).items():
+            ctx = baggage.set_baggage(name, value, ctx)
+        state._baggage = context.attach(ctx)
+    if lease.run_after is not None:  # (the time it waited pending once due)
+        waited = max(0.0, time.time() - lease.run_after.timestamp())
+        span.add_event("pending", {"jobrunner.pending.seconds": round(waited, 6)})
+
+
+def finish_attempt(state: Attempt) -> None:
+    """End an attempt's span (after end_attempt gave it its outcome) and make the context
+    before it current again."""
+    if state.recording:
+        if state._state is not None:
+            _attempt.reset(state._state)
+        if state._baggage is not None:
+            context.detach(state._baggage)  # type: ignore[arg-type]
+        context.detach(state._current)  # type: ignore[arg-type]
+        state.span.end()
+        return
+    context.detach(state._current)  # type: ignore[arg-type]
 
 
 def end_attempt(state: Attempt, outcome: str, error: str | None = None, *,
                 retry_after: float | None = None) -> None:
-    """Close an attempt's span: its outcome (OUTCOMES), status and usage."""
-    span = state.span
-    if not span.is_recording():
+    """An attempt's outcome (OUTCOMES), status and usage, on its span (when sampled)."""
+    if not state.recording:
         return
+    span = state.span
     span.set_attribute("jobrunner.outcome", outcome)
     if state.usage_reported:
         span.set_attribute("jobrunner.usage.tokens", state.tokens)

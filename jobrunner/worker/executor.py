@@ -36,7 +36,6 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from typing import Any
 
 from jobrunner.model.errors import LeaseLost, PermanentError, RateLimited
@@ -123,10 +122,14 @@ class Executor:
             else:
                 # (the span's context is this coroutine's: the handler's task, made inside
                 # it, inherits it, so the handler's own spans are the attempt's children)
-                with self._process_span(lease, task) as attempt:
+                attempt = self._start_attempt(lease, task)
+                try:
                     outcome = await self._outcome_async(lease, task, fn)
-                    tracing.end_attempt(attempt, _outcome_name(outcome, task), outcome.error,
-                                        retry_after=outcome.throttle_after)
+                    if attempt.recording:
+                        tracing.end_attempt(attempt, _outcome_name(outcome, task),
+                                            outcome.error, retry_after=outcome.throttle_after)
+                finally:
+                    tracing.finish_attempt(attempt)
             if started is not None:
                 self._ended(outcome, task, started)
             self.completer.record(outcome)
@@ -195,10 +198,14 @@ class Executor:
     def _traced_outcome(self, lease: Lease, task: Task) -> Outcome:
         if not tracing.enabled():
             return self._outcome(lease, task)
-        with self._process_span(lease, task) as attempt:
+        attempt = self._start_attempt(lease, task)
+        try:
             outcome = self._outcome(lease, task)
-            tracing.end_attempt(attempt, _outcome_name(outcome, task), outcome.error,
-                                retry_after=outcome.throttle_after)
+            if attempt.recording:  # (an unsampled attempt: no more tracing work)
+                tracing.end_attempt(attempt, _outcome_name(outcome, task), outcome.error,
+                                    retry_after=outcome.throttle_after)
+        finally:
+            tracing.finish_attempt(attempt)
         return outcome
 
     def _started(self, lease: Lease) -> float:
@@ -217,13 +224,9 @@ class Executor:
         metrics.ran(task.batch_id, task.tenant_id, _outcome_name(outcome, task),
                     time.monotonic() - started)
 
-    def _process_span(self, lease: Lease, task: Task) -> AbstractContextManager[tracing.Attempt]:
-        return tracing.process_span(
-            task_id=lease.id, key=lease.key, batch_id=lease.batch_id,
-            tenant_id=lease.tenant_id, shard_key=lease.shard_key, attempt=lease.attempt,
-            max_attempts=lease.max_attempts,
-            due_at=lease.run_after.timestamp() if lease.run_after else None,
-            load_context=lambda task_id: _stored_trace_context(task, task_id))
+    @staticmethod
+    def _start_attempt(lease: Lease, task: Task) -> tracing.Attempt:
+        return tracing.start_attempt(lease, lambda: _stored_trace_context(task, lease.id))
 
     def _outcome(self, lease: Lease, task: Task) -> Outcome:
         try:
@@ -303,7 +306,7 @@ def _stored_trace_context(task: Task, task_id: int) -> str | None:
     effects = task._effects  # (the handler's connections; none in some unit tests)
     if effects is None:
         return None
-    return effects.run(lambda conn: task_store.trace_context(conn, task_id))
+    return effects.read(lambda conn: task_store.trace_context(conn, task_id))
 
 
 def _outcome_name(outcome: Outcome, task: Task) -> str:

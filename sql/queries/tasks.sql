@@ -110,8 +110,9 @@ slots_freed AS (
 -- its ack again with its next statement. Who holds it: almost always a claimer whose
 -- snapshot predates our claim's commit: its SKIP LOCKED scan still saw the row as
 -- pending, locked the newest version and only then found it leased, and keeps that
--- lock until it commits. Waiting for that commit (and its WAL flush) cost a quarter of
--- the statement time at 4 workers; otherwise the expirer (then the next try finds the
+-- lock until it commits (a scan from the start; one from a position leaves such rows
+-- out: see "Untouched rows"). Waiting for that commit (and its WAL flush) cost a quarter
+-- of the statement time at 4 workers; otherwise the expirer (then the next try finds the
 -- lease lost).
 --
 -- Claim: pick ready rows with FOR UPDATE SKIP LOCKED (rows other claimers hold are
@@ -153,6 +154,25 @@ slots_freed AS (
 -- longer. Every other way a row becomes pending again (retry, expiry, release,
 -- requeue) gives it run_after = now(), past every worker's position.
 --
+-- Untouched rows: a claim whose snapshot predates another claim's commit still sees the
+-- rows that claim took as pending; with FOR UPDATE SKIP LOCKED it then locks their newest
+-- (leased) version, finds it no longer pending and drops it, but keeps the lock until it
+-- commits (and writes it: a page change and a WAL record). The worker that took the row
+-- meanwhile ran the task; its ack found the row locked and came back 'busy', to be sent
+-- again with its next statement, its shard held the while. At 16 workers on two cores that
+-- was 40 %% of acks and a third more server CPU per task (docs/performance.md, issue 33).
+-- So a scan from a position leaves out a row whose version in its snapshot has an xmax
+-- other than its xmin: another transaction updated or locked it after this pending
+-- version was written (a row being claimed, or claimed since, or locked by a claim that
+-- then passed it over, its shard busy). (xmax = xmin: the transaction that made the row
+-- pending again, expiry, a retry or a release, had locked the row before updating it,
+-- and PostgreSQL carries its own lock over to the new version.) It is only a filter:
+-- what may be claimed is still decided by the row lock, the status and the shard
+-- lease. A row left out that is still
+-- claimable (its locker passed it over, or rolled back) waits for the worker's next scan
+-- from the start, which does not filter, as a row whose shard was busy already did: at
+-- most about a second, or at once after a claim that came back short.
+--
 -- The halves touch disjoint rows (acked rows are leased, candidates pending). All CTEs
 -- read one snapshot, so a shard this ack releases still looks busy to this claim's
 -- pre-filter: its next task goes to the next claim (this worker's or another's).
@@ -176,6 +196,9 @@ candidates AS (
       -- Where this worker's scan starts (the position after its last claim, or the
       -- start: '-infinity', 0): see "Scan position" above.
       AND (q.run_after, q.id) > (%(after_run_after)s::timestamptz, %(after_id)s::bigint)
+      -- A scan from a position passes over a row whose pending version another
+      -- transaction has touched since (see "Untouched rows"); one from the start does not.
+      AND (%(after_id)s::bigint = 0 OR q.xmax = 0 OR q.xmax = q.xmin)
       AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
@@ -288,6 +311,9 @@ candidates AS (
       -- Where this worker's scan starts (the position after its last claim, or the
       -- start: '-infinity', 0): see "Scan position" above.
       AND (q.run_after, q.id) > (%(after_run_after)s::timestamptz, %(after_id)s::bigint)
+      -- A scan from a position passes over a row whose pending version another
+      -- transaction has touched since (see "Untouched rows"); one from the start does not.
+      AND (%(after_id)s::bigint = 0 OR q.xmax = 0 OR q.xmax = q.xmin)
       AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
@@ -714,6 +740,9 @@ candidates AS (
       AND q.status = 'pending'
       AND q.run_after <= now()
       AND (q.vtag, q.id) > (%(after_vtag)s::float8, %(after_id)s::bigint)
+      -- A scan from a position passes over a row whose pending version another
+      -- transaction has touched since (see "Untouched rows"); one from the start does not.
+      AND (%(after_id)s::bigint = 0 OR q.xmax = 0 OR q.xmax = q.xmin)
       AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
@@ -799,6 +828,9 @@ candidates AS (
       AND q.status = 'pending'
       AND q.run_after <= now()
       AND (q.vtag, q.id) > (%(after_vtag)s::float8, %(after_id)s::bigint)
+      -- A scan from a position passes over a row whose pending version another
+      -- transaction has touched since (see "Untouched rows"); one from the start does not.
+      AND (%(after_id)s::bigint = 0 OR q.xmax = 0 OR q.xmax = q.xmin)
       AND NOT EXISTS (  -- (a leased task of the shard: see "Shard leases")
           SELECT 1 FROM agent_work_queue l
           WHERE l.tenant_id = q.tenant_id AND l.shard_key = q.shard_key
