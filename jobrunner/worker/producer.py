@@ -178,9 +178,10 @@ class Producer:
         if now - max(self._claimed_at, sub.noted_at) < cfg.idle_warm:
             # just busy or just told of work: a claim can come back empty while work
             # remains that no note announces (a shard released by an ack, rows a
-            # concurrent claim held locked); each poll looks before it claims, as below
+            # concurrent claim held locked). A claim, not a look first: a warm fleet of
+            # 1,000 pods sending a look and then a claim woke 4x slower to an enqueue
+            # (bench/results/idle-fleet-40).
             poll = random.uniform(*cfg.idle_poll)
-            self._quiet_mark = sub.noted_at
         else:
             # Long only if nothing is due before it ends: a task due now that the claim
             # did not get (its shard busy, its limit full, its budget spent) waits on
