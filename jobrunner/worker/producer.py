@@ -156,17 +156,17 @@ class Producer:
                              self.claim.target)
                     return
                 # (no note says that the last leased task finished: look again soon)
-                state.sleep(self._until_room(min(self._idle_wait(look_ahead=False),
+                state.sleep(self._until_room(min(self._idle_wait(ahead=0.0),
                                                  random.uniform(*cfg.drain_poll))))
                 continue
             state.sleep(self._until_room(self._idle_wait()))
 
-    def _idle_wait(self, *, look_ahead: bool = True,
-                   ahead: float | object | None = _UNKNOWN) -> float:
+    def _idle_wait(self, *, ahead: float | object | None = _UNKNOWN) -> float:
         """How long a worker with a free slot and nothing to claim sleeps: with a connected
         notifier, until the earliest retry time it was told of or the slow fallback poll
         (notes wake it earlier); without one, the fast idle poll. `ahead`: what a look
-        (task_next_due) just said, so as not to ask again."""
+        (task_next_due) just said, so as not to ask again; 0.0 from a caller that looks
+        again within seconds anyway (no statement: the shorter sleep)."""
         cfg, sub = self.config, self.subscription
         self._quiet_mark = None
         if sub is None or self.notifier is None or not self.notifier.connected.is_set():
@@ -186,10 +186,8 @@ class Producer:
             # Long only if nothing is due before it ends: a task due now that the claim
             # did not get (its shard busy, its limit full, its budget spent) waits on
             # something no note announces.
-            # (without look_ahead, for a caller that looks again within seconds anyway,
-            # no statement: the shorter of the two)
             if ahead is _UNKNOWN:
-                ahead = self._next_due() if look_ahead else 0.0
+                ahead = self._next_due()
             ahead = cast("float | None", ahead)
             if ahead is not None and ahead <= 0:
                 poll = random.uniform(*cfg.idle_blocked)
