@@ -17,6 +17,10 @@
 # pytest on the machine) deletes the folders of tests still running (seen as a manifest
 # gone, or pg_ctl failing on its data directory).
 set -uo pipefail
+# The suite starts thousands of Python processes (workers, the CLI, servers). Where the
+# environment says PYTHONDONTWRITEBYTECODE (this machine's does), each one compiled the
+# package's 119 modules from source again: 0.1 s of CPU per start, 0.45 s in all.
+unset PYTHONDONTWRITEBYTECODE
 PY=${PY:-.venv/bin/python}
 WORKERS=${TEST_WORKERS:-2}
 E2E_WORKERS=${E2E_WORKERS:-2}

@@ -51,6 +51,14 @@ CREATE TABLE chaos_effect (task_key text, attempt int, worker text);
 WORKER_ARGS = ("--exit-when-drained", "--visibility-timeout", "3", "--heartbeat", "1",
                "--backoff-base", "0.05", "--backoff-cap", "0.5", "--log-level", "warning")
 N_SHARDS, N_WORKERS, N_POISON = 50, 8, 3
+# Kills come with the batch's progress, not with time: one each KILL_EVERY finished tasks
+# (drawn uniformly), plus one a moment after each fault, inside its window. Kills every
+# 0.5-2 s made the soak's work follow the machine's load: 29 kills in the 35 s of the
+# direct soak alone, 230 in a CI run where it shared the cores (384 s), each kill a new
+# worker process (0.4 s of CPU to start) and leases to wait out, so the busier the
+# machine, the more work the soak made for it. Now both runs do the same work.
+KILL_EVERY = (100, 250)  # about 57 kills in 10,000 tasks
+KILL_AFTER_FAULT = (0.2, 1.5)  # seconds
 
 
 @dataclass
@@ -315,7 +323,8 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
             return -1
 
     rng = random.Random(7)
-    next_kill = time.monotonic() + rng.uniform(0.5, 2.0)
+    next_kill = rng.randint(*KILL_EVERY)  # (a count of finished tasks)
+    kill_at = float("inf")  # (a time: set by a fault)
     while time.monotonic() - started < 900:
         finished = finished_count()
         if finished >= tasks + N_POISON + (tasks // 10 if pool is not None else 0):
@@ -323,12 +332,13 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
         if plan and finished >= plan[0].at and plan[0].ready():
             plan.pop(0).action()
             applied += 1
+            kill_at = time.monotonic() + rng.uniform(*KILL_AFTER_FAULT)
         for i, w in list(workers.items()):
             if w.poll() is not None:
                 reap(i)
                 if w.returncode != 0:
                     workers[i] = spawn(i)  # as a Job would replace a failed pod
-        if time.monotonic() >= next_kill:
+        if finished >= next_kill or time.monotonic() >= kill_at:
             victim = rng.choice([i for i, w in workers.items() if w.poll() is None] or [0])
             if workers[victim].poll() is None:
                 os.killpg(workers[victim].pid, signal.SIGKILL)
@@ -342,7 +352,10 @@ def run_soak(direct: str, worker_dsn: str, tmp_path: Path, *, tasks: int, label:
                 # drained worker exits 0 at the end of the soak; no kill to count)
                 reap(victim)
             workers[victim] = spawn(victim)
-            next_kill = time.monotonic() + rng.uniform(0.5, 2.0)
+            if finished >= next_kill:
+                next_kill = finished + rng.randint(*KILL_EVERY)
+            else:
+                kill_at = float("inf")
         time.sleep(0.1)
     for i, w in workers.items():
         try:
