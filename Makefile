@@ -22,12 +22,12 @@ demo: $(VENV)/.installed
 # modules and cached by version, PgBouncer from Debian). The e2e tests (one real cluster,
 # shared by E2E_WORKERS pytest workers) run beside the rest, which uses TEST_WORKERS
 # pytest-xdist workers: hack/test-suite.sh.
-# The virtualenv and the Debian packages are made at once (both wait on the network); the
-# Go binaries are built by hack/test-suite.sh in the background of the suite.
+# The virtualenv and the Debian packages are made at once (both wait on the network),
+# while hack/test-suite.sh already builds the Go binaries in the background (SETUP).
 TEST_WORKERS ?= 2
 test:
-	$(MAKE) -j2 --output-sync=line $(VENV)/.installed system-deps
-	PY=$(PY) TEST_WORKERS=$(TEST_WORKERS) hack/test-suite.sh
+	PY=$(PY) PYTHON=$(PYTHON) TEST_WORKERS=$(TEST_WORKERS) \
+	  SETUP="$(MAKE) -j2 --output-sync=line $(VENV)/.installed system-deps" hack/test-suite.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

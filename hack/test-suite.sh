@@ -84,12 +84,19 @@ low_cpu() {
 }
 
 # The Go binaries (tests/e2e/harness/build.py) are built in the background while the
-# suite runs, not before it: on a cold machine they take most of a quarter of an hour of
-# both cores, and the rest of the suite needs none of them but for three test files,
-# which run last (tests/conftest.py: RUN_LAST). The cluster's binaries come first: the
-# e2e part waits for them. Whoever needs a part waits for its lock, then finds it built.
-"$PY" -m tests.e2e.harness.build >"$work/build.log" 2>&1 &
+# suite runs, not before it: on a cold machine they take most of a half hour of both
+# cores, and the rest of the suite needs none of them but for three test files, which run
+# last (tests/conftest.py: RUN_LAST). The cluster's binaries come first: the e2e part
+# waits for them. Whoever needs a part waits for its lock, then finds it built. The build
+# needs only the standard library: it starts before the virtualenv and the Debian
+# packages are made (a cold run's first minutes wait on the network), and in a cold run
+# the builds are what the suite's end waits for.
+"${PYTHON:-python3}" -m tests.e2e.harness.build >"$work/build.log" 2>&1 &
 builder=$!
+if [ -n "${SETUP:-}" ]; then
+  # (word splitting intended: the Makefile's setup command)
+  $SETUP || exit 1
+fi
 
 e2e_tests "$@" >"$log" 2>&1 &
 e2e=$!

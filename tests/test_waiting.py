@@ -31,6 +31,7 @@ from jobrunner.queue.client import Queue
 from jobrunner.store import console as console_store
 from jobrunner.store import flowcontrol as limits
 from jobrunner.store import tasks as task_store
+from jobrunner.worker import notifier as notifier_mod
 from jobrunner.worker.config import WorkerConfig
 from jobrunner.worker.process import Worker
 from tests.support import pgbouncer
@@ -285,25 +286,33 @@ def test_through_pgbouncer_the_notifier_connects_directly(dsn, conn, tmp_path, c
 
 
 def test_the_leader_hands_over_at_once_when_it_stops(dsn, conn, tmp_path):
+    # The candidate is a notifier of this process whose own retry is a minute away
+    # (lead_retry): only the leaving leader's note can make it lead within the bound. With
+    # the usual 4-6 s retry, a hand-over that did not work could still come in time when
+    # the machine was slow to stop the leader, and a bound tight enough to tell the two
+    # apart (1.5 s) was passed over by the working hand-over itself under load (1.52 s, in
+    # a cold CI run with 30-50 runnable processes on 2 cores).
     Queue(conn).enqueue("b", "acme", [TaskSpec("first", {})])
     first = start_worker(dsn, "b", HANDLER, log=tmp_path / "a.log")
-    wait_for(lambda: _leader_pid(conn) == first.pid, what="the first worker to lead")
-    second = start_worker(dsn, "b", HANDLER, log=tmp_path / "b.log")
+    candidate = notifier_mod.Notifier(dsn, lead_retry=(60.0, 60.0))
     try:
-        wait_for(lambda: _one(conn, "SELECT count(*) AS n FROM pg_stat_activity WHERE "
-                              "application_name = %s", f"jobrunner-notifier {second.pid}")["n"],
-                 what="the second worker's notifier")
-        time.sleep(0.5)
+        wait_for(lambda: _leader_pid(conn) == first.pid, what="the first worker to lead")
+        candidate.start()
+        # its first try (it failed: the worker leads) puts its next a minute away
+        wait_for(lambda: candidate._next_try > time.monotonic() + 30,
+                 what="the candidate's first try")
+        assert not candidate.leader
         _stop(first)
         stopped = time.monotonic()
-        wait_for(lambda: _leader_pid(conn) == second.pid, timeout=30, interval=0.02,
-                 what="the second worker to lead")
+        wait_for(lambda: candidate.leader, timeout=30, interval=0.02,
+                 what="the candidate to lead")
         handover = time.monotonic() - stopped
     finally:
-        _stop(second)
-    # the leaving leader's note makes the candidate try within 0.2 s, not at its next
-    # 4-6 s retry; 1.5 s leaves room for a loaded machine
-    assert handover <= 1.5, handover
+        _stop(first)
+        candidate.close()
+    # within 0.2 s of the note on an idle machine; the retry it would otherwise wait for
+    # is 60 s away, so 5 s tells them apart with room for any load
+    assert handover <= 5.0, handover
 
 
 def test_a_task_given_back_wakes_a_waiting_worker(dsn, conn, tmp_path, capsys):
