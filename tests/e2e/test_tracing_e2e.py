@@ -132,7 +132,6 @@ def test_worker_pods_trace_to_jaeger_linked_to_the_controllers_enqueue(
         show(capsys, "trace tree (tests/e2e/test_tracing_e2e.py), the controller's enqueue "
              "then the worker pods' attempts:\n" + render(produced + traces, services=True))
         seen: Counter[tuple[str, int, str]] = Counter()
-        ran_in: set[str] = set()
         for t in traces:
             for span in t["spans"]:
                 if span["operationName"] != "process":
@@ -157,8 +156,6 @@ def test_worker_pods_trace_to_jaeger_linked_to_the_controllers_enqueue(
                 assert resource["k8s.namespace.name"] == namespace
                 assert resource["k8s.node.name"] == "127.0.0.1"  # the e2e node's name
                 assert resource["telemetry.sdk.language"] == "python"
-                ran_in.add(resource["k8s.pod.name"])
         assert seen == ATTEMPTS, seen
-        assert ran_in <= pods
     finally:
         controller.stop()
