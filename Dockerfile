@@ -21,10 +21,10 @@ COPY pyproject.toml README.md ./
 COPY jobrunner/ jobrunner/
 COPY sql/ sql/
 COPY crds/ crds/
-# The core and the `otel` extra (the OpenTelemetry SDK and OTLP/HTTP exporter, some 9 MB of
-# the venv): a worker or controller pod traces when its OTEL_* environment asks, as
-# docs/observability.md says, without a custom image; without OTEL_* the SDK is never
-# imported. Not the embedded PostgreSQL ([local] extra): that is for laptops, not pods.
+# The core and the `otel` extra (the OpenTelemetry SDK and OTLP/HTTP exporter: 7.3 MB more
+# venv unpacked, 1.7 MB compressed): a worker or controller pod traces when its OTEL_*
+# environment asks (docs/observability.md) without a custom image; without OTEL_* the SDK
+# is never imported. Not the embedded PostgreSQL ([local] extra): that is for laptops.
 # No `kubernetes` package: the controller talks to the API with httpx (jobrunner/operator/kube.py)
 # and kopf logs in by itself. Dropped after the install: the venv's setuptools.
 # Third-party packages are kept as bytecode alone (their sources are read only by
