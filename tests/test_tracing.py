@@ -14,7 +14,7 @@ printed for the CI log.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,6 +27,7 @@ from jobrunner.observability import tracing
 from jobrunner.queue.client import Queue
 from tests.support import jaeger as jaeger_support
 from tests.support.figures import show
+from tests.support.jaeger import kind, parent, refs, render, tags
 from tests.support.openai_server import OpenAITestServer
 from tests.support.processes import child_env, start_worker, wait_for
 
@@ -42,65 +43,6 @@ def chat(key: str, text: str) -> TaskSpec:
     return TaskSpec(key, {"url": PATH, "body": {"model": "test-model",
                                                 "messages": [{"role": "user",
                                                               "content": text}]}})
-
-
-def tags(span: dict[str, Any]) -> dict[str, Any]:
-    return {t["key"]: t["value"] for t in span.get("tags", [])}
-
-
-def kind(span: dict[str, Any]) -> str | None:
-    return tags(span).get("span.kind")
-
-
-def refs(span: dict[str, Any], ref_type: str) -> list[tuple[str, str]]:
-    return [(r["traceID"], r["spanID"]) for r in span.get("references", [])
-            if r["refType"] == ref_type]
-
-
-def parent(span: dict[str, Any]) -> str | None:
-    """The parent span's id (a CHILD_OF reference within the same trace)."""
-    for trace_id, span_id in refs(span, "CHILD_OF"):
-        if trace_id == span["traceID"]:
-            return span_id
-    return None
-
-
-def render(traces: list[dict[str, Any]]) -> str:
-    """Every trace as an indented tree: span name, kind, the attributes that matter, its
-    status and events, and its links."""
-    shown = ("jobrunner.task.key", "jobrunner.attempt", "jobrunner.outcome", "error.type",
-             "otel.status_code", "jobrunner.usage.tokens", "gen_ai.usage.input_tokens",
-             "gen_ai.usage.output_tokens", "http.response.status_code",
-             "messaging.batch.message_count", "results")
-    lines: list[str] = []
-
-    def start(span: dict[str, Any]) -> int:
-        return int(span["startTime"])
-
-    for t in sorted(traces, key=lambda t: min(start(s) for s in t["spans"])):
-        spans = t["spans"]
-        children: dict[str | None, list[dict[str, Any]]] = defaultdict(list)
-        for s in spans:
-            children[parent(s)].append(s)
-        lines.append(f"trace {t['traceID']}")
-
-        def walk(span: dict[str, Any], depth: int,
-                 children: dict[str | None, list[dict[str, Any]]] = children) -> None:
-            tg = tags(span)
-            attrs = " ".join(f"{k.removeprefix('jobrunner.').removeprefix('gen_ai.usage.')}"
-                             f"={tg[k]}" for k in shown if k in tg)
-            events = ",".join(sorted({f['value'] for log in span.get('logs', [])
-                                      for f in log['fields'] if f['key'] == 'event'}))
-            links = [f"{ti[:8]}/{si[:8]}" for ti, si in refs(span, "FOLLOWS_FROM")]
-            lines.append("  " * (depth + 1) + f"{span['operationName']} [{kind(span)}] {attrs}"
-                         + (f" events={events}" if events else "")
-                         + (f" link->{','.join(links)}" if links else ""))
-            for c in sorted(children[span["spanID"]], key=start):
-                walk(c, depth + 1)
-
-        for root in sorted(children[None], key=start):
-            walk(root, 0)
-    return "\n".join(lines)
 
 
 @pytest.fixture

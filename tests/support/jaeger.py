@@ -7,11 +7,16 @@ its own (several pytest workers each run one).
         env = jaeger.otel_env("jobrunner-worker")
         ...
         traces = jaeger.traces("jobrunner-worker")
+
+and the helpers that read Jaeger's JSON model: a span's tags, kind, references and parent,
+its process (service name and resource attributes), and `render()`, the trace tree the
+trace tests print for the CI log.
 """
 
 from __future__ import annotations
 
 import socket
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +126,79 @@ class Jaeger(ServerProcess):
                 return None
             raise
         return found[0] if found else None
+
+
+def tags(span: dict[str, Any]) -> dict[str, Any]:
+    return {t["key"]: t["value"] for t in span.get("tags", [])}
+
+
+def kind(span: dict[str, Any]) -> str | None:
+    return tags(span).get("span.kind")
+
+
+def refs(span: dict[str, Any], ref_type: str) -> list[tuple[str, str]]:
+    return [(r["traceID"], r["spanID"]) for r in span.get("references", [])
+            if r["refType"] == ref_type]
+
+
+def parent(span: dict[str, Any]) -> str | None:
+    """The parent span's id (a CHILD_OF reference within the same trace)."""
+    for trace_id, span_id in refs(span, "CHILD_OF"):
+        if trace_id == span["traceID"]:
+            return span_id
+    return None
+
+
+def process(trace: dict[str, Any], span: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The span's service name and resource attributes (Jaeger's "process")."""
+    p = trace["processes"][span["processID"]]
+    return p["serviceName"], {t["key"]: t["value"] for t in p.get("tags", [])}
+
+
+# (the resource attributes render() shows after a span's service name)
+RESOURCE_SHOWN = ("k8s.pod.name", "k8s.namespace.name", "k8s.node.name")
+
+
+def render(traces: list[dict[str, Any]], services: bool = False) -> str:
+    """Every trace as an indented tree: span name, kind, the attributes that matter, its
+    status and events, and its links; with `services`, each span's service name and the
+    pod it ran in (RESOURCE_SHOWN)."""
+    shown = ("jobrunner.task.key", "jobrunner.attempt", "jobrunner.outcome", "error.type",
+             "otel.status_code", "jobrunner.usage.tokens", "gen_ai.usage.input_tokens",
+             "gen_ai.usage.output_tokens", "http.response.status_code",
+             "messaging.batch.message_count", "results")
+    lines: list[str] = []
+
+    def start(span: dict[str, Any]) -> int:
+        return int(span["startTime"])
+
+    for t in sorted(traces, key=lambda t: min(start(s) for s in t["spans"])):
+        spans = t["spans"]
+        children: dict[str | None, list[dict[str, Any]]] = defaultdict(list)
+        for s in spans:
+            children[parent(s)].append(s)
+        lines.append(f"trace {t['traceID']}")
+
+        def walk(span: dict[str, Any], depth: int,
+                 children: dict[str | None, list[dict[str, Any]]] = children,
+                 t: dict[str, Any] = t) -> None:
+            tg = tags(span)
+            attrs = " ".join(f"{k.removeprefix('jobrunner.').removeprefix('gen_ai.usage.')}"
+                             f"={tg[k]}" for k in shown if k in tg)
+            events = ",".join(sorted({f['value'] for log in span.get('logs', [])
+                                      for f in log['fields'] if f['key'] == 'event'}))
+            links = [f"{ti[:8]}/{si[:8]}" for ti, si in refs(span, "FOLLOWS_FROM")]
+            where = ""
+            if services:
+                service, resource = process(t, span)
+                where = f" @{service}" + "".join(f" {k.removeprefix('k8s.')}={resource[k]}"
+                                                 for k in RESOURCE_SHOWN if k in resource)
+            lines.append("  " * (depth + 1) + f"{span['operationName']} [{kind(span)}] {attrs}"
+                         + (f" events={events}" if events else "")
+                         + (f" link->{','.join(links)}" if links else "") + where)
+            for c in sorted(children[span["spanID"]], key=start):
+                walk(c, depth + 1)
+
+        for root in sorted(children[None], key=start):
+            walk(root, 0)
+    return "\n".join(lines)
