@@ -47,13 +47,25 @@ def _is_root() -> bool:
 
 
 def _ensure_pg_user() -> None:
+    import fcntl
     import pwd
 
     try:
         pwd.getpwnam(PG_USER)
+        return
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                        "/usr/sbin/nologin", PG_USER], check=True, capture_output=True)
+        pass
+    # Serialised: two processes that start servers at once on a fresh machine (the test
+    # suite's workers) both ran useradd, both were told it worked, and /etc/passwd kept
+    # one entry: the other had already chowned its folder to a uid nobody has any more.
+    SYSTEM_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(SYSTEM_ROOT / ".useradd.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            pwd.getpwnam(PG_USER)
+        except KeyError:
+            subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
+                            "/usr/sbin/nologin", PG_USER], check=True, capture_output=True)
 
 
 def bin_dir() -> Path:
