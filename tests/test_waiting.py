@@ -496,3 +496,47 @@ def test_the_look_says_due_now_when_a_pools_first_entries_hide_what_is_due(
     conn.commit()
     assert q.next_due(pool="p") <= 0
     assert q.next_due(batch_id="nothing-here") is None
+
+
+def test_a_note_whose_work_others_took_costs_a_waiting_worker_a_claim_and_a_look(
+        dsn, conn, capsys):
+    """Every waiting worker of a batch hears each of its notes, and all but one find the
+    new task taken. Such a worker claims once, looks (task_next_due: nothing due) and
+    waits quiet again: it does not poll on at idle_poll for idle_warm, which made every
+    note cost a fleet of 1,000 pods ~6,000 claims (bench/results/idle-fleet.md)."""
+    worker = Worker(WorkerConfig(dsn=dsn, batch_id="b", handler=lambda task: None,
+                                 grace_period=1))  # (idle_warm 2 s, idle_poll 0.2-0.5 s)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    mine = f"jobrunner-worker {worker.worker_id}"
+    waiting = ("SELECT count(*) AS n FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+               "WHERE NOT l.granted AND a.application_name = %s")
+    try:
+        wait_for(lambda: worker.notifier is not None and worker.notifier.connected.is_set(),
+                 what="the worker's notifier")
+        time.sleep(2.5)  # past its start's claims and their idle_warm
+        heard = worker.notifier.stats["notes"]
+        conn.execute("NOTIFY jobrunner_queue, 'b'")  # (a task another worker took)
+        conn.commit()
+        wait_for(lambda: worker.notifier.stats["notes"] > heard, what="the note")
+        time.sleep(0.3)  # its claim and its look (milliseconds)
+        # Held over the rest of idle_warm: a claim (an UPDATE: ROW EXCLUSIVE, which SHARE
+        # blocks) would be seen waiting; the look, a read, is not.
+        locker = psycopg.connect(dsn, autocommit=False)
+        try:
+            locker.execute("LOCK TABLE agent_work_queue IN SHARE MODE")
+            blocked = []
+            deadline = time.monotonic() + 1.6
+            while time.monotonic() < deadline:
+                blocked.append(_one(conn, waiting, mine)["n"])
+                time.sleep(0.02)
+        finally:
+            locker.rollback()
+            locker.close()
+    finally:
+        worker.request_stop()
+        thread.join(30)
+    show(capsys, f"a note of work others took: {sum(1 for b in blocked if b)} of "
+         f"{len(blocked)} looks at the worker's locks saw it claiming over the 1.6 s after "
+         "its claim and look")
+    assert max(blocked) == 0, blocked
