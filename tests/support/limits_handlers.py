@@ -99,6 +99,16 @@ def _sleep(task: Task, seconds: float) -> None:
         time.sleep(min(0.02, max(0.0, end - time.monotonic())))
 
 
+# The longest a claimed task may wait for its handler's start in the limit tests: their
+# witness (the handlers' own start times) holds the starts of a window to the claims of
+# that window widened by the largest lag measured, and this bounds that lag. A claimed
+# task waits for nothing but its thread's turn on the CPU (a worker claims for free slots
+# only): 1-445 ms in warm CI runs, 647 ms in a cold one, whose Go compiles outweigh the
+# suite's low-weight cgroup (hack/test-suite.sh). A worker that held claimed tasks back
+# would show lags of its tasks' length or its poll's.
+MAX_START_LAG = 1.0
+
+
 def max_in_window(times: list[float], window: float) -> int:
     """The most events (sorted times) in any half-open window [s, s + window)."""
     best, j = 0, 0
