@@ -205,11 +205,16 @@ def server_cores(server: env.Server, monitor_pid: int, window: float,
 WAKE_GAPS = {"waiting": (3.0, 4.0), "busy": (0.3, 0.6)}
 
 
-def wake_samples(dsn: str, samples: int, gap: tuple[float, float]) -> list[float]:
-    """Enqueue commit -> handler start (ms), one task at a time, `gap` seconds apart."""
+def wake_samples(dsn: str, samples: int, gap: tuple[float, float], server: env.Server,
+                 exclude: frozenset[int], idle_cores: float) -> tuple[list[float], float]:
+    """Enqueue commit -> handler start (ms), one task at a time, `gap` seconds apart; and
+    the server CPU each wake-up cost (ms): the server's CPU over the samples, less the
+    waiting fleet's own (`idle_cores`) and this harness's connections, per enqueue."""
     out = []
     with psycopg.connect(dsn, row_factory=dict_row, autocommit=True) as conn:
         q = Queue(conn)
+        mine = exclude | {conn.execute("SELECT pg_backend_pid() AS p").fetchone()["p"]}
+        cpu0, t0 = server.cpu_seconds(mine), time.monotonic()
         for i in range(samples):
             time.sleep(random.uniform(*gap))
             key = f"wake-{time.monotonic_ns()}-{i}"
@@ -219,7 +224,9 @@ def wake_samples(dsn: str, samples: int, gap: tuple[float, float]) -> list[float
                 "SELECT result FROM agent_work_queue WHERE batch_id = %s AND task_key = %s"
                 " AND status = 'done'", (BATCH, k)).fetchone(), 60, 0.002, "wake-up task")
             out.append(max(0.0, (row["result"]["started"] - enqueued) * 1000))
-    return out
+        time.sleep(gap[1])  # (the last wake-up's claims and looks are counted too)
+        cpu = server.cpu_seconds(mine) - cpu0 - idle_cores * (time.monotonic() - t0)
+    return out, cpu / samples * 1000
 
 
 def retry_samples(dsn: str, samples: int) -> list[float]:
@@ -319,10 +326,13 @@ def main(argv: list[str] | None = None) -> None:
                                    "pgbouncer_clients": bouncer.clients()
                                    if fleet.pooled else 0}
                             if fleet.wake and pods == max(sizes):
-                                run["wake_ms"] = wake_samples(jr.dsn, args.wake,
-                                                              WAKE_GAPS["waiting"])
-                                run["wake_busy_ms"] = wake_samples(jr.dsn, args.wake,
-                                                                   WAKE_GAPS["busy"])
+                                exclude = frozenset({monitor_pid})
+                                run["wake_ms"], run["wake_cpu_ms"] = wake_samples(
+                                    jr.dsn, args.wake, WAKE_GAPS["waiting"], server,
+                                    exclude, cores - base)
+                                run["wake_busy_ms"], run["wake_busy_cpu_ms"] = wake_samples(
+                                    jr.dsn, args.wake, WAKE_GAPS["busy"], server, exclude,
+                                    cores - base)
                                 run["retry_ms"] = retry_samples(jr.dsn, args.retries)
                             runs.append(run)
                             per = (cores - base) / pods * 1000
@@ -332,7 +342,9 @@ def main(argv: list[str] | None = None) -> None:
                                   + (f", wake p50 {pct(run['wake_ms'], 50):.1f} ms p99 "
                                      f"{pct(run['wake_ms'], 99):.1f} ms (busy fleet p50 "
                                      f"{pct(run['wake_busy_ms'], 50):.1f} p99 "
-                                     f"{pct(run['wake_busy_ms'], 99):.1f}), retry p50 "
+                                     f"{pct(run['wake_busy_ms'], 99):.1f}); server ms per "
+                                     f"wake-up {run['wake_cpu_ms']:.0f} (busy "
+                                     f"{run['wake_busy_cpu_ms']:.0f}), retry p50 "
                                      f"{pct(run['retry_ms'], 50):.1f} ms max "
                                      f"{max(run['retry_ms']):.1f} ms"
                                      if "wake_ms" in run else ""), flush=True)
@@ -394,6 +406,8 @@ def report(meta: dict, runs: list[dict], sizes: list[int], labels: list[str],
         wake_rows.append([label, rs[0]["pods"], len(wake), f"{pct(wake, 50):.1f}",
                           f"{pct(wake, 99):.1f}", f"{max(wake):.1f}",
                           f"{pct(busy, 50):.1f} / {pct(busy, 99):.1f}" if busy else "-",
+                          " / ".join(f"{_med([r[k] for r in rs]):.0f}" if k in rs[0] else "-"
+                                     for k in ("wake_cpu_ms", "wake_busy_cpu_ms")),
                           len(retry), f"{pct(retry, 50):.1f}", f"{pct(retry, 99):.1f}",
                           f"{max(retry):.1f}"])
     base = [r["server_cores"] for r in runs if r["kind"] == "baseline"]
@@ -414,9 +428,12 @@ def report(meta: dict, runs: list[dict], sizes: list[int], labels: list[str],
         f"(enqueues {WAKE_GAPS['waiting'][0]:.0f}-{WAKE_GAPS['waiting'][1]:.0f} s apart) and, "
         "as a second figure, with the fleet still busy with the previous enqueue's "
         f"wake-up ({WAKE_GAPS['busy'][0]}-{WAKE_GAPS['busy'][1]} s apart); a retry's "
-        "run_after -> its second attempt's start (ms).\n",
+        "run_after -> its second attempt's start (ms). Server ms per wake-up: the "
+        "server's CPU over the samples, less the waiting fleet's own and the harness's, "
+        "per enqueue (what one note's herd of claims and looks costs).\n",
         table(["system", "pods", "wake samples", "p50", "p99", "max",
-               "busy fleet p50 / p99", "retry samples", "p50", "p99", "max"],
+               "busy fleet p50 / p99", "server ms per wake-up (waiting / busy)",
+               "retry samples", "p50", "p99", "max"],
               wake_rows) + "\n",
         f"`{before}` is the older tree given with --before, run "
         + ("as this tree is (a direct notifier per pod)" if before_listen else
