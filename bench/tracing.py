@@ -6,7 +6,7 @@ tasks with shard keys, claim batch 1 and 10) three ways, interleaved in each rep
 OTEL_* variable: today's code path), and on, every worker exporting OTLP to a real Jaeger
 (tests/support/jaeger.py, built by `make e2e-bins`) with
 OTEL_TRACES_SAMPLER=parentbased_traceidratio at 100 % and at 1 %. In the traced variants
-the harness's enqueue is traced as well (same sampler), so sampled attempts read and link
+the harness's enqueue is traced as well (same sampler), so sampled attempts link to
 their stored context as in production. Writes ``bench/results/tracing-cost.md`` and
 ``tracing-cost.json``.
 """

@@ -213,7 +213,7 @@ def test_a_command_handler_continues_the_attempts_trace():
         lease = Lease(id=1, batch_id="b", key="k", tenant_id="acme", shard_key=None,
                       payload={}, attempt=1, max_attempts=3,
                       locked_until=datetime.now(UTC))
-        attempt = tracing.start_attempt(lease, lambda: None)
+        attempt = tracing.start_attempt(lease)
         try:
             out = CommandHandler("printf '%s' \"$TRACEPARENT\"")(task)
             tracing.record_usage(7, 3, 4, 0.5)

@@ -25,6 +25,9 @@ class Lease:
     locked_until: datetime
     run_after: datetime | None = None  # its position in the claim order (run_after, id)
     vtag: float | None = None  # in a pool: its virtual-time tag, the pool's claim order
+    # Its enqueue's stored W3C context (JSON text; None when the enqueue was not traced),
+    # for the link of a sampled attempt's span (jobrunner/observability/tracing.py).
+    trace_context: str | None = None
 
 
 @dataclass(frozen=True)

@@ -45,14 +45,14 @@ _CLAIM = task_store.ACK_AND_CLAIM
 
 
 def _lease(row: tuple) -> Lease:
-    # Columns of task_ack_and_claim's result, in order (sql/queries/task_store.sql).
+    # Columns of task_ack_and_claim's result, in order (sql/queries/tasks.sql).
     # (task_ack_and_claim_pool adds the task's tag)
     (_, id_, batch_id, key, tenant_id, shard_key, payload, attempt, max_attempts, until,
-     run_after) = row[:11]
+     run_after, trace_context) = row[:12]
     return Lease(id=id_, batch_id=batch_id, key=key, tenant_id=tenant_id,
                  shard_key=shard_key, payload=payload, attempt=attempt,
                  max_attempts=max_attempts, locked_until=until, run_after=run_after,
-                 vtag=row[11] if len(row) > 11 else None)
+                 vtag=row[12] if len(row) > 12 else None, trace_context=trace_context)
 
 
 def _int_array(values: Iterable[int]) -> str:
@@ -413,7 +413,7 @@ class Queue:
 
     def _completed(self, failed: set[int], rows: Sequence[tuple]
                    ) -> tuple[set[int], set[int], list[Lease]]:
-        """Sort task_ack_and_claim's rows (sql/queries/task_store.sql) into kept, busy and leases
+        """Sort task_ack_and_claim's rows (sql/queries/tasks.sql) into kept, busy and leases
         (and a 'wait' row into limit_wait)."""
         kept = failed
         busy: set[int] = set()

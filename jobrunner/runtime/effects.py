@@ -65,18 +65,6 @@ class Effects:
         with self._connection() as conn:
             return fn(conn)
 
-    def read(self, fn: Callable[[psycopg.Connection], T]) -> T:
-        """fn(conn), reads only, outside a transaction: one round trip for one statement
-        where run() makes three (BEGIN, the statement, and the pool's COMMIT). Used for
-        a sampled attempt's stored trace context (jobrunner/worker/executor.py)."""
-        with self._connection() as conn:
-            conn.autocommit = True
-            try:
-                return fn(conn)
-            finally:
-                if not conn.closed:
-                    conn.autocommit = False
-
     def once(self, lease: Lease, worker_id: str, effect_key: str,
              effect: Callable[[psycopg.Connection], T]) -> T:
         params: dict[str, Any] = {"batch_id": lease.batch_id, "task_key": lease.key,

@@ -15,7 +15,6 @@ from jobrunner.store.session import Mode, Session, Statement, Step, run
 STAGE_CREATE = Statement("task_stage_create")
 STAGE_COPY = Statement("task_stage_copy")
 FROM_STAGE = Statement("task_insert_staged")
-TRACE_CONTEXT = Statement("task_trace_context")
 # The worker's per-task statement: one per claim kind (docs/flow-control.md, docs/pools.md).
 ACK_AND_CLAIM = Statement("task_ack_and_claim", Mode.PREPARED)
 ACK_AND_CLAIM_LIMITED = Statement("task_ack_and_claim_limited", Mode.PREPARED)
@@ -68,12 +67,6 @@ def insert_staged(conn: psycopg.Connection, batch_id: str, tenant_id: str,
     enqueue's span context, stored with every new task (migration 0027)."""
     return int(run(conn, FROM_STAGE, {"batch_id": batch_id, "tenant_id": tenant_id,
                                       "trace_context": trace_context}).fetchone()["new"])
-
-
-def trace_context(conn: psycopg.Connection, task_id: int) -> str | None:
-    """The trace context (JSON text) its enqueue stored with a task, or None."""
-    row = run(conn, TRACE_CONTEXT, {"id": task_id}).fetchone()
-    return row["trace_context"] if row else None
 
 
 def complete(session: Session, steps: Sequence[Step], failures: int

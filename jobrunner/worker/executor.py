@@ -46,7 +46,6 @@ from jobrunner.runtime.task import Task
 from jobrunner.runtime.taskhandlers import async_form, has_async
 from jobrunner.store import db
 from jobrunner.store import flowcontrol as limits
-from jobrunner.store import tasks as task_store
 from jobrunner.worker.completer import Completer
 from jobrunner.worker.state import Running, WorkerState
 
@@ -122,7 +121,7 @@ class Executor:
             else:
                 # (the span's context is this coroutine's: the handler's task, made inside
                 # it, inherits it, so the handler's own spans are the attempt's children)
-                attempt = self._start_attempt(lease, task)
+                attempt = tracing.start_attempt(lease)
                 try:
                     outcome = await self._outcome_async(lease, task, fn)
                     if attempt.recording:
@@ -198,7 +197,7 @@ class Executor:
     def _traced_outcome(self, lease: Lease, task: Task) -> Outcome:
         if not tracing.enabled():
             return self._outcome(lease, task)
-        attempt = self._start_attempt(lease, task)
+        attempt = tracing.start_attempt(lease)
         try:
             outcome = self._outcome(lease, task)
             if attempt.recording:  # (an unsampled attempt: no more tracing work)
@@ -223,10 +222,6 @@ class Executor:
     def _ended(outcome: Outcome, task: Task, started: float) -> None:
         metrics.ran(task.batch_id, task.tenant_id, _outcome_name(outcome, task),
                     time.monotonic() - started)
-
-    @staticmethod
-    def _start_attempt(lease: Lease, task: Task) -> tracing.Attempt:
-        return tracing.start_attempt(lease, lambda: _stored_trace_context(task, lease.id))
 
     def _outcome(self, lease: Lease, task: Task) -> Outcome:
         try:
@@ -300,13 +295,6 @@ class Executor:
             loop, self._loop = self._loop, None
         if loop is not None:
             loop.call_soon_threadsafe(loop.stop)
-
-
-def _stored_trace_context(task: Task, task_id: int) -> str | None:
-    effects = task._effects  # (the handler's connections; none in some unit tests)
-    if effects is None:
-        return None
-    return effects.read(lambda conn: task_store.trace_context(conn, task_id))
 
 
 def _outcome_name(outcome: Outcome, task: Task) -> str:

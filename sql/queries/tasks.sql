@@ -17,11 +17,6 @@
 -- rows instead: statistics taken when few rows were leased make that index look
 -- cheapest, but its scan reads every live lease of every worker.
 
--- name: task_trace_context
--- The trace context its enqueue stored with a task (migration 0027), for the link of a
--- sampled attempt's span; NULL when the enqueue was not traced.
-SELECT trace_context::text AS trace_context FROM agent_work_queue WHERE id = %(id)s;
-
 -- name: task_stage_create
 -- Create the transaction's staging table that enqueue COPYs its rows into.
 CREATE TEMP TABLE jobrunner_enqueue_stage (
@@ -177,7 +172,11 @@ slots_freed AS (
 -- read one snapshot, so a shard this ack releases still looks busy to this claim's
 -- pre-filter: its next task goes to the next claim (this worker's or another's).
 -- Rows come back tagged: 'acked', 'busy' (ack again later) or 'leased' (a new lease);
--- an id that is neither acked nor busy is a lost lease.
+-- an id that is neither acked nor busy is a lost lease. A lease carries the trace
+-- context its enqueue stored (migration 0027; NULL, the usual case, when the enqueue was
+-- not traced), so that a sampled attempt's span links to the enqueue's without a
+-- statement of its own (one more round trip per sampled attempt, issue 32). Every claim
+-- statement returns the same columns (the pool's add the tag).
 --
 -- Flow control: this statement never claims a task that names a limit, and checks no
 -- budget, so tasks without limits pay nothing for limits (even one index probe more
@@ -235,7 +234,8 @@ claimed AS (
         updated_at = now()
     WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
-              q.attempts, q.max_attempts, q.locked_until, q.run_after
+              q.attempts, q.max_attempts, q.locked_until, q.run_after,
+              q.trace_context::text AS trace_context
 )
 -- No lock is ever waited for: acks and claims both skip locked rows, and shard locks
 -- are only tried; the unique index of leased rows could wait only for another claim
@@ -246,16 +246,16 @@ claimed AS (
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
        NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
        NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until,
-       NULL::timestamptz AS run_after
+       NULL::timestamptz AS run_after, NULL::text AS trace_context
 FROM acked
 UNION ALL
-SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM agent_work_queue b
 WHERE b.id = ANY(%(ids)s::bigint[]) AND b.id <> ALL(ARRAY(SELECT id FROM lockable))
   AND cardinality(%(ids)s::bigint[]) > (SELECT count(*) FROM lockable)  -- else not run
 UNION ALL
 SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts,
-       max_attempts, locked_until, run_after
+       max_attempts, locked_until, run_after, trace_context
 FROM claimed;
 
 -- name: task_ack_and_claim_limited
@@ -389,7 +389,8 @@ claimed AS (
                           ELSE (SELECT t FROM charged) END
     WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
-              q.attempts, q.max_attempts, q.locked_until, q.run_after
+              q.attempts, q.max_attempts, q.locked_until, q.run_after,
+              q.trace_context::text AS trace_context
 )
 -- No lock is ever waited for: acks and claims both skip locked task rows and limit
 -- lanes, and shard locks are only tried (see ack_and_claim); so no cycle of waits, no
@@ -399,20 +400,20 @@ claimed AS (
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
        NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
        NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until,
-       NULL::timestamptz AS run_after
+       NULL::timestamptz AS run_after, NULL::text AS trace_context
 FROM acked
 UNION ALL
-SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM agent_work_queue b
 WHERE b.id = ANY(%(ids)s::bigint[]) AND b.id <> ALL(ARRAY(SELECT id FROM lockable))
   AND cardinality(%(ids)s::bigint[]) > (SELECT count(*) FROM lockable)  -- else not run
 UNION ALL
 SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts,
-       max_attempts, locked_until, run_after
+       max_attempts, locked_until, run_after, trace_context
 FROM claimed
 UNION ALL
 -- every lane of a limit was held by other claims: the worker should come back at once
-(SELECT 'wait', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+(SELECT 'wait', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
  FROM admit WHERE wait
  LIMIT 1);
 
@@ -779,21 +780,22 @@ claimed AS (
         updated_at = now()
     WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
-              q.attempts, q.max_attempts, q.locked_until, q.run_after, q.vtag
+              q.attempts, q.max_attempts, q.locked_until, q.run_after,
+              q.trace_context::text AS trace_context, q.vtag
 )
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
        NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
        NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until,
-       NULL::timestamptz AS run_after, NULL::float8 AS vtag
+       NULL::timestamptz AS run_after, NULL::text AS trace_context, NULL::float8 AS vtag
 FROM acked
 UNION ALL
-SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM agent_work_queue b
 WHERE b.id = ANY(%(ids)s::bigint[]) AND b.id <> ALL(ARRAY(SELECT id FROM lockable))
   AND cardinality(%(ids)s::bigint[]) > (SELECT count(*) FROM lockable)  -- else not run
 UNION ALL
 SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts,
-       max_attempts, locked_until, run_after, vtag
+       max_attempts, locked_until, run_after, trace_context, vtag
 FROM claimed;
 
 -- name: task_ack_and_claim_pool_limited
@@ -909,25 +911,26 @@ claimed AS (
                           ELSE (SELECT t FROM charged) END
     WHERE q.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING q.id, q.batch_id, q.task_key, q.tenant_id, q.shard_key, q.payload,
-              q.attempts, q.max_attempts, q.locked_until, q.run_after, q.vtag
+              q.attempts, q.max_attempts, q.locked_until, q.run_after,
+              q.trace_context::text AS trace_context, q.vtag
 )
 SELECT 'acked' AS outcome, id, NULL::text AS batch_id, NULL::text AS task_key,
        NULL::text AS tenant_id, NULL::text AS shard_key, NULL::jsonb AS payload,
        NULL::int AS attempts, NULL::int AS max_attempts, NULL::timestamptz AS locked_until,
-       NULL::timestamptz AS run_after, NULL::float8 AS vtag
+       NULL::timestamptz AS run_after, NULL::text AS trace_context, NULL::float8 AS vtag
 FROM acked
 UNION ALL
-SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'busy', b.id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM agent_work_queue b
 WHERE b.id = ANY(%(ids)s::bigint[]) AND b.id <> ALL(ARRAY(SELECT id FROM lockable))
   AND cardinality(%(ids)s::bigint[]) > (SELECT count(*) FROM lockable)  -- else not run
 UNION ALL
 SELECT 'leased', id, batch_id, task_key, tenant_id, shard_key, payload, attempts,
-       max_attempts, locked_until, run_after, vtag
+       max_attempts, locked_until, run_after, trace_context, vtag
 FROM claimed
 UNION ALL
 -- every lane of a limit was held by other claims: the worker should come back at once
-(SELECT 'wait', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+(SELECT 'wait', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
  FROM admit WHERE wait
  LIMIT 1);
 
