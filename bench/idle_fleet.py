@@ -52,6 +52,11 @@ from .report import table
 from .scenarios import PG_USER, free_port, pct
 from .systems import BATCH, TENANT, Jobrunner, PgQueuer, Procrastinate
 
+# Pods simulated per Python process (--pods-per-process). 100 fits 1,000 pods in memory
+# for the idle cost, where nothing runs; for the wake-up it is not faithful: a note wakes
+# every pod of a process at once and their threads queue for one GIL (1 pod: 6.5 ms from
+# enqueue to handler; 50 in one process: 55-68 ms, stop 42). 10 per process: 100
+# processes, ~8 GiB.
 PODS_PER_CHILD = 100
 BOUNCER_POOL = 20
 BOUNCER_INI = """[databases]
@@ -127,7 +132,8 @@ class Fleet:
         self.label, self.system, self.db, self.dsn = label, system, db, dsn
         self.listen_dsn, self.tree, self.pooled, self.wake = listen_dsn, tree, pooled, wake
 
-    def start(self, pods: int, logdir: Path) -> list[subprocess.Popen]:
+    def start(self, pods: int, logdir: Path, per_process: int = PODS_PER_CHILD
+              ) -> list[subprocess.Popen]:
         extra = {}
         if self.pooled:
             extra = {"JOBRUNNER_TRANSACTION_POOLING": "1", "JOBRUNNER_PREPARED_STATEMENTS": "0"}
@@ -137,7 +143,7 @@ class Fleet:
         procs = []
         left = pods
         while left > 0:
-            n = min(PODS_PER_CHILD, left)
+            n = min(per_process, left)
             left -= n
             args = [sys.executable, "-m", "bench.fleet_child", self.system, "--pods", str(n),
                     "--dsn", self.dsn, "--handler", "bench.handlers:stamp_or_fail_first"]
@@ -263,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wake", type=int, default=40)
     parser.add_argument("--retries", type=int, default=15)
     parser.add_argument("--systems", default="jobrunner,before,pgqueuer,procrastinate")
+    parser.add_argument("--pods-per-process", type=int, default=PODS_PER_CHILD)
     parser.add_argument("--out", type=Path, default=env.REPO / "bench" / "results")
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.pods.split(",")]
@@ -309,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
                         system.reset()
                         if getattr(system, "_conn", None) is not None:
                             system._conn.close()  # (only the fleet's connections count)
-                        procs = fleet.start(pods, logdir)
+                        procs = fleet.start(pods, logdir, args.pods_per_process)
                         try:
                             env.wait_until(lambda p=procs: _ready(p), 600, 0.5,
                                            f"{fleet.label} pods")
@@ -358,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
         server.stop()
     meta = {"started": started, "load_before": load_before, "load_after": env.load(),
             "command": " ".join(["python -m bench.idle_fleet", *(argv or sys.argv[1:])]),
-            "machine": env.machine(), "window_s": args.window, "settle_s": args.settle}
+            "machine": env.machine(), "window_s": args.window, "settle_s": args.settle,
+            "pods_per_process": args.pods_per_process}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "idle-fleet.json").write_text(json.dumps({"meta": meta, "runs": runs},
                                                          indent=1) + "\n")
@@ -419,7 +427,8 @@ def report(meta: dict, runs: list[dict], sizes: list[int], labels: list[str],
         f"do); server CPU over {meta['window_s']:.0f} s after {meta['settle_s']:.0f} s of "
         f"settling, minus the idle server's own ({_med(base):.4f} cores, no pods), per "
         "waiting pod per second: median of the repetitions (min-max). Pods are simulated "
-        f"{PODS_PER_CHILD} to a process (bench/fleet_child.py), each with its own "
+        f"{meta.get('pods_per_process', PODS_PER_CHILD)} to a process "
+        "(bench/fleet_child.py), each with its own "
         "connections, threads and timers.\n",
         table(["system", "pods", "server ms/s per waiting pod", "server cores",
                "PgBouncer cores", "server connections", "PgBouncer clients",
