@@ -87,6 +87,29 @@ def _wait_for_notifier(conn, worker) -> None:
              what=f"the notifier of worker {worker.pid}")
 
 
+WAITING_FOR_A_LOCK = ("SELECT count(*) AS n FROM pg_locks l JOIN pg_stat_activity a "
+                      "ON a.pid = l.pid WHERE NOT l.granted AND a.application_name = %s")
+
+
+def _claims_seen(dsn: str, conn, worker: Worker, seconds: float) -> list[int]:
+    """Hold a SHARE lock on the queue table for `seconds`, looking every 20 ms whether the
+    worker's queue connection waits for a lock. A claim (an UPDATE) needs ROW EXCLUSIVE,
+    which SHARE blocks; a look (task_next_due, a read) does not: a claim is seen waiting."""
+    mine = f"jobrunner-worker {worker.worker_id}"
+    locker = psycopg.connect(dsn, autocommit=False)
+    try:
+        locker.execute("LOCK TABLE agent_work_queue IN SHARE MODE")
+        seen = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            seen.append(_one(conn, WAITING_FOR_A_LOCK, mine)["n"])
+            time.sleep(0.02)
+        return seen
+    finally:
+        locker.rollback()
+        locker.close()
+
+
 def _stop(*workers) -> None:
     for worker in workers:
         if worker.poll() is None:
@@ -397,27 +420,12 @@ def test_a_quiet_worker_looks_before_it_claims_and_claims_what_came_due(dsn, con
                                  idle_warm=0.2, grace_period=1))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    mine = f"jobrunner-worker {worker.worker_id}"
-    waiting = ("SELECT count(*) AS n FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-               "WHERE NOT l.granted AND a.application_name = %s")
     try:
         wait_for(lambda: worker.notifier is not None and worker.notifier.connected.is_set(),
                  what="the worker's notifier")
         time.sleep(1.0)  # past its first claim, made on start
-        # A claim (an UPDATE) needs ROW EXCLUSIVE on the table, which SHARE blocks; the
-        # look, a read, does not. Held over several fallback polls: a worker that claims
-        # on waking is seen waiting for the lock.
-        locker = psycopg.connect(dsn, autocommit=False)
-        try:
-            locker.execute("LOCK TABLE agent_work_queue IN SHARE MODE")
-            blocked = []
-            deadline = time.monotonic() + 4 * fallback[1]
-            while time.monotonic() < deadline:
-                blocked.append(_one(conn, waiting, mine)["n"])
-                time.sleep(0.02)
-        finally:
-            locker.rollback()
-            locker.close()
+        # (held over several fallback polls: a worker that claims on waking is seen)
+        blocked = _claims_seen(dsn, conn, worker, 4 * fallback[1])
         conn.execute("UPDATE agent_work_queue SET run_after = now() WHERE task_key = 'later'")
         conn.commit()  # (no note: only a look can find it)
         due_at = time.monotonic()
@@ -508,9 +516,6 @@ def test_a_note_whose_work_others_took_costs_a_waiting_worker_a_claim_and_a_look
                                  grace_period=1))  # (idle_warm 2 s, idle_poll 0.2-0.5 s)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    mine = f"jobrunner-worker {worker.worker_id}"
-    waiting = ("SELECT count(*) AS n FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-               "WHERE NOT l.granted AND a.application_name = %s")
     try:
         wait_for(lambda: worker.notifier is not None and worker.notifier.connected.is_set(),
                  what="the worker's notifier")
@@ -520,19 +525,8 @@ def test_a_note_whose_work_others_took_costs_a_waiting_worker_a_claim_and_a_look
         conn.commit()
         wait_for(lambda: worker.notifier.stats["notes"] > heard, what="the note")
         time.sleep(0.3)  # its claim and its look (milliseconds)
-        # Held over the rest of idle_warm: a claim (an UPDATE: ROW EXCLUSIVE, which SHARE
-        # blocks) would be seen waiting; the look, a read, is not.
-        locker = psycopg.connect(dsn, autocommit=False)
-        try:
-            locker.execute("LOCK TABLE agent_work_queue IN SHARE MODE")
-            blocked = []
-            deadline = time.monotonic() + 1.6
-            while time.monotonic() < deadline:
-                blocked.append(_one(conn, waiting, mine)["n"])
-                time.sleep(0.02)
-        finally:
-            locker.rollback()
-            locker.close()
+        # (held over the rest of idle_warm, when it used to poll with claims)
+        blocked = _claims_seen(dsn, conn, worker, 1.6)
     finally:
         worker.request_stop()
         thread.join(30)
