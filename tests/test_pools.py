@@ -165,13 +165,21 @@ def _epoch(conn, sql: str, *args) -> float:
     return float(conn.execute(sql, args).fetchone()["t"])
 
 
+# The small tenant's tasks. At 50 its fair time was ~100 ms, the scale of one worker's
+# scheduling delay on a loaded machine: a cold CI run, its Go compiles outweighing the
+# suite's cgroup, measured 274 ms against a bound of 202 (start lags of 647 ms were seen
+# in the same conditions: tests/support/limits_handlers.py). At 500 the fair time is
+# ~1 s, and starvation (B behind A's 19,000 remaining tasks) would still take ~20x.
+SMALL = 500
+
+
 def test_a_small_tenant_is_not_starved_by_a_large_one(dsn, conn, tmp_path, capsys):
     q = Queue(conn)
     q.enqueue("a-big", "A", _tasks(20_000), pool="p")
     workers = _pool_workers(dsn, "p", WORKERS, tmp_path)
     wait_for(lambda: _done(conn, "a-big") >= 1000, 120, what="tenant A under way")
-    q.enqueue("b-small", "B", _tasks(50), pool="p")
-    wait_for(lambda: _done(conn, "b-small") == 50, 60, what="tenant B done")
+    q.enqueue("b-small", "B", _tasks(SMALL), pool="p")
+    wait_for(lambda: _done(conn, "b-small") == SMALL, 60, what="tenant B done")
     _stop(workers, tmp_path)
     # Database clock: from B's enqueue (its transaction's now()) to B's last finish.
     t0 = _epoch(conn, "SELECT extract(epoch FROM created_at) AS t FROM agent_batch"
@@ -182,11 +190,11 @@ def test_a_small_tenant_is_not_starved_by_a_large_one(dsn, conn, tmp_path, capsy
         "SELECT count(*) AS n FROM agent_work_queue WHERE batch_id = 'a-big'"
         " AND finished_at > to_timestamp(%s) AND finished_at <= to_timestamp(%s)",
         (t0, t1)).fetchone()["n"]
-    rate = (a_during + 50) / (t1 - t0)  # the pool's throughput while B had work
-    fair_alone = 50 / (rate / 2)  # B's 50 tasks at half the pool (two equal tenants)
+    rate = (a_during + SMALL) / (t1 - t0)  # the pool's throughput while B had work
+    fair_alone = SMALL / (rate / 2)  # B's tasks at half the pool (two equal tenants)
     assert _done(conn, "a-big") < 20_000  # A was backlogged throughout
     with capsys.disabled():
-        print(f"\npools starvation: B's 50 tasks done {1000 * (t1 - t0):.0f} ms after their "
+        print(f"\npools starvation: B's {SMALL} tasks done {1000 * (t1 - t0):.0f} ms after their "
               f"enqueue, behind 20,000 of A; at half the pool ({rate:.0f} tasks/s) alone "
               f"{1000 * fair_alone:.0f} ms; ratio {(t1 - t0) / fair_alone:.2f} (bound 2); "
               f"A tasks finished meanwhile: {a_during}", flush=True)
