@@ -94,7 +94,7 @@ def test_request_limit_is_shared_by_8_workers_and_used(dsn, conn, log_table, tmp
     lags = [r["s"] - r["c"] for r in conn.execute(
         "SELECT extract(epoch FROM claimed_at)::float8 AS c,"
         " extract(epoch FROM started_at)::float8 AS s FROM limit_log").fetchall()]
-    start_lag = max(lags)
+    start_lag = max(0.5, max(lags))  # (never tighter than the 0.5 s it always allowed)
     assert min(lags) >= 0 and start_lag <= MAX_START_LAG, (min(lags), start_lag)
     most = max_in_window(started, 2.0)
     show(capsys, f"request limit 20 per 2 s, 8 workers: handler starts at most {most} per 2 s "

@@ -101,7 +101,8 @@ def _sleep(task: Task, seconds: float) -> None:
 
 # The longest a claimed task may wait for its handler's start in the limit tests: their
 # witness (the handlers' own start times) holds the starts of a window to the claims of
-# that window widened by the largest lag measured, and this bounds that lag. A claimed
+# that window widened by the largest lag measured (0.5 s at least: with a smaller one the
+# bound sat at the very count a quiet warm run saw), and this bounds that lag. A claimed
 # task waits for nothing but its thread's turn on the CPU (a worker claims for free slots
 # only): 1-445 ms in warm CI runs, 647 ms in a cold one, whose Go compiles outweigh the
 # suite's low-weight cgroup (hack/test-suite.sh). A worker that held claimed tasks back
