@@ -9,8 +9,10 @@ user, from a copy of the binaries outside root's home.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
+import pwd
 import random
 import secrets
 import shutil
@@ -47,17 +49,14 @@ def _is_root() -> bool:
 
 
 def _ensure_pg_user() -> None:
-    import fcntl
-    import pwd
-
     try:
         pwd.getpwnam(PG_USER)
         return
     except KeyError:
         pass
     # Serialised: two processes that start servers at once on a fresh machine (the test
-    # suite's workers) both ran useradd, both were told it worked, and /etc/passwd kept
-    # one entry: the other had already chowned its folder to a uid nobody has any more.
+    # suite's workers) both ran useradd; /etc/passwd kept one entry, and the other had
+    # already chowned its folder to a uid nobody had any more (a cold CI run).
     SYSTEM_ROOT.mkdir(parents=True, exist_ok=True)
     with open(SYSTEM_ROOT / ".useradd.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -175,36 +175,29 @@ class Producer:
         sub.clear_due(now)
         # (a few ms late: the retry's row is due by the time the claim reads it)
         due = sub.due_in(now) + random.uniform(0.002, 0.01)
-        if now - self._claimed_at < cfg.idle_warm:
-            # just busy: a claim can come back empty while work remains that no note
-            # announces (a shard released by an ack, rows a concurrent claim held
-            # locked). A claim, not a look first: a warm fleet of 1,000 pods sending a
-            # look and then a claim woke 4x slower to an enqueue (bench/results/
-            # idle-fleet-40).
-            warm = True
-        elif now - sub.noted_at < cfg.idle_warm:
-            # Told of work that its claim did not get: almost always the fleet's other
-            # waiting workers took it first (every one of them heard the note). Polling
-            # on for idle_warm made each note cost every waiting pod ~6 claims, and a
-            # fleet of 1,000 told of work every half second never stopped claiming
-            # (bench/results/idle-fleet.md, stop 42). One look says whether anything it
-            # could take is still due (rows a concurrent claim held locked, a busy
-            # shard): then it polls fast; else it waits, quiet.
-            if ahead is _UNKNOWN:
-                ahead = self._next_due()
-            ahead = cast("float | None", ahead)
-            warm = ahead is not None and ahead <= 0
-        else:
-            warm = False
+        # Just busy: a claim can come back empty while work remains that no note
+        # announces (a shard released by an ack, rows a concurrent claim held locked). A
+        # claim, not a look first: a warm fleet of 1,000 pods sending a look and then a
+        # claim woke 4x slower to an enqueue (bench/results/idle-fleet-40).
+        busy = now - self._claimed_at < cfg.idle_warm
+        if not busy and ahead is _UNKNOWN:
+            ahead = self._next_due()
+        ahead = cast("float | None", ahead)
+        # Told of work that its claim did not get: almost always the fleet's other waiting
+        # workers took it first (every one of them heard the note). Polling on for
+        # idle_warm made each note cost every waiting pod ~6 claims, and a fleet of 1,000
+        # told of work every half second never stopped claiming (bench/results/
+        # idle-fleet.md, stop 42). The look says whether anything it could take is still
+        # due (rows a concurrent claim held locked, a busy shard): then it polls fast.
+        noted = (not busy and now - sub.noted_at < cfg.idle_warm and ahead is not None
+                 and ahead <= 0)
+        warm = busy or noted
         if warm:
             poll = random.uniform(*cfg.idle_poll)
         else:
             # Long only if nothing is due before it ends: a task due now that the claim
             # did not get (its shard busy, its limit full, its budget spent) waits on
             # something no note announces.
-            if ahead is _UNKNOWN:
-                ahead = self._next_due()
-            ahead = cast("float | None", ahead)
             if ahead is not None and ahead <= 0:
                 poll = random.uniform(*cfg.idle_blocked)
             else:
