@@ -624,6 +624,16 @@ CREATE TABLE public.agent_work_queue_archive (
 
 ALTER TABLE ONLY public.agent_work_queue_archive FORCE ROW LEVEL SECURITY;
 
+CREATE UNLOGGED TABLE public.agent_worker_wait (
+    wait_id bigint NOT NULL,
+    batch_id text,
+    pool text,
+    seen_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT agent_worker_wait_check CHECK (((batch_id IS NULL) <> (pool IS NULL)))
+);
+
+ALTER TABLE ONLY public.agent_worker_wait FORCE ROW LEVEL SECURITY;
+
 CREATE TABLE public.api_batch (
     batch_id text NOT NULL,
     tenant_id text NOT NULL,
@@ -787,6 +797,9 @@ ALTER TABLE ONLY public.agent_work_queue_archive
 ALTER TABLE ONLY public.agent_work_queue
     ADD CONSTRAINT agent_work_queue_pkey PRIMARY KEY (id);
 
+ALTER TABLE ONLY public.agent_worker_wait
+    ADD CONSTRAINT agent_worker_wait_pkey PRIMARY KEY (wait_id);
+
 ALTER TABLE ONLY public.api_batch
     ADD CONSTRAINT api_batch_pkey PRIMARY KEY (batch_id);
 
@@ -835,6 +848,10 @@ CREATE INDEX agent_work_queue_batch_pending_idx ON public.agent_work_queue USING
 CREATE UNIQUE INDEX agent_work_queue_leased_uidx ON public.agent_work_queue USING btree (tenant_id, shard_key) WHERE ((status)::text = 'leased'::text);
 
 CREATE INDEX agent_work_queue_pool_pending_idx ON public.agent_work_queue USING btree (pool, vtag, id) WHERE (((status)::text = 'pending'::text) AND (pool IS NOT NULL));
+
+CREATE INDEX agent_worker_wait_batch ON public.agent_worker_wait USING btree (batch_id, seen_at) WHERE (batch_id IS NOT NULL);
+
+CREATE INDEX agent_worker_wait_pool ON public.agent_worker_wait USING btree (pool, seen_at) WHERE (pool IS NOT NULL);
 
 CREATE INDEX api_batch_by_tenant ON public.api_batch USING btree (tenant_id, created_at DESC, batch_id DESC);
 
@@ -885,6 +902,8 @@ ALTER TABLE public.agent_work_queue ENABLE ROW LEVEL SECURITY;
 
 ALTER TABLE public.agent_work_queue_archive ENABLE ROW LEVEL SECURITY;
 
+ALTER TABLE public.agent_worker_wait ENABLE ROW LEVEL SECURITY;
+
 ALTER TABLE public.api_batch ENABLE ROW LEVEL SECURITY;
 
 ALTER TABLE public.api_file ENABLE ROW LEVEL SECURITY;
@@ -922,6 +941,8 @@ CREATE POLICY jobrunner_all ON public.agent_task_usage USING (true);
 CREATE POLICY jobrunner_all ON public.agent_work_queue USING (true);
 
 CREATE POLICY jobrunner_all ON public.agent_work_queue_archive USING (true);
+
+CREATE POLICY jobrunner_all ON public.agent_worker_wait USING (true);
 
 CREATE POLICY jobrunner_all ON public.api_batch USING (true);
 

@@ -534,3 +534,77 @@ def test_a_note_whose_work_others_took_costs_a_waiting_worker_a_claim_and_a_look
          f"{len(blocked)} looks at the worker's locks saw it claiming over the 1.6 s after "
          "its claim and look")
     assert max(blocked) == 0, blocked
+
+
+QUEUE_CONNECTIONS = ("SELECT application_name, state_change FROM pg_stat_activity "
+                     "WHERE application_name = ANY(%s)")
+
+
+def test_an_enqueue_wakes_by_name_as_many_waiting_workers_as_it_has_tasks_for(
+        dsn, conn, capsys):
+    """Six waiting workers of a batch, and an enqueue of one task: the enqueue takes two of
+    their rows (agent_worker_wait: one task plus the spare) and names them in its note;
+    the other four send nothing. Witness: the server's record of each worker's queue
+    connection (pg_stat_activity.state_change), which moves with any statement it sends.
+    With the note to every listener (jobrunner_queue) all six would claim at once.
+    Then a dead worker's row (never refreshed, but placed first): the spare still wakes a
+    live worker, and the task starts at once, not at a fallback poll (600 s here)."""
+    workers = [Worker(WorkerConfig(dsn=dsn, batch_id="n", handler=lambda task: None,
+                                   grace_period=1, idle_fallback=(600.0, 600.0)))
+               for _ in range(6)]
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    for thread in threads:
+        thread.start()
+    names = [f"jobrunner-worker {w.worker_id}" for w in workers]
+
+    def waiting() -> int:
+        return _one(conn, "SELECT count(*) AS n FROM agent_worker_wait "
+                    "WHERE batch_id = 'n'")["n"]
+
+    def statements() -> dict[str, object]:
+        rows = conn.execute(QUEUE_CONNECTIONS, (names,)).fetchall()
+        conn.rollback()
+        return {r["application_name"]: r["state_change"] for r in rows}
+
+    try:
+        # (each looked once its start's claim found nothing: its row is written)
+        wait_for(lambda: waiting() == 6, timeout=20, what="six waiting rows")
+        before = statements()
+        assert len(before) == 6, before
+        Queue(conn).enqueue("n", "acme", [TaskSpec("one", {})])
+        conn.commit()
+        wait_for(lambda: _one(conn, "SELECT count(*) AS n FROM agent_work_queue WHERE "
+                              "batch_id = 'n' AND status = 'done'")["n"] == 1,
+                 what="the task")
+        time.sleep(1.0)  # (the woken ones' claims and looks: milliseconds)
+        after = statements()
+        woke = sorted(n for n in names if after[n] != before[n])
+
+        # A dead worker's row, first in line (most recently seen): the enqueue takes it
+        # and one live worker's.
+        conn.execute("INSERT INTO agent_worker_wait (wait_id, batch_id, seen_at) "
+                     "VALUES (7, 'n', now() + interval '1 hour')")
+        conn.commit()
+        wait_for(lambda: waiting() == 7, timeout=20, what="the rows of the six and the dead")
+        Queue(conn).enqueue("n", "acme", [TaskSpec("two", {})])
+        conn.commit()
+        enqueued = time.monotonic()
+        wait_for(lambda: _one(conn, "SELECT count(*) AS n FROM agent_work_queue WHERE "
+                              "batch_id = 'n' AND status = 'done'")["n"] == 2,
+                 timeout=10, what="the second task, with a dead worker's row first")
+        took = time.monotonic() - enqueued
+        dead_row = _one(conn, "SELECT count(*) AS n FROM agent_worker_wait "
+                        "WHERE wait_id = 7")["n"]
+    finally:
+        for worker in workers:
+            worker.request_stop()
+        for thread in threads:
+            thread.join(30)
+    show(capsys, f"an enqueue of one task with six workers waiting: {len(woke)} of them sent "
+         f"a statement; with a dead worker's row first, the task was done {took * 1000:.0f} "
+         "ms after the enqueue")
+    assert 1 <= len(woke) <= 2, woke
+    assert dead_row == 0
+    # (the spare: without it the only named worker is the dead one, and the task waits
+    # for a fallback poll of 600 s; 10 s is the wait_for above)
+    assert took < 10

@@ -51,7 +51,7 @@ from jobrunner.runtime.taskhandlers import (
     has_async,
     importable,
 )
-from jobrunner.store import batches, db, effects
+from jobrunner.store import batches, db, effects, worker_waits
 from jobrunner.store import generators as generator_store
 from jobrunner.store import reduce as reduce_store
 
@@ -534,6 +534,6 @@ def start(conn: psycopg.Connection, batch_id: str, tenant_id: str, spec: Generat
         row = generator_store.enqueue(conn, batch_id, json.dumps(spec.as_json()),
                                       spec.max_attempts)
         if row is not None:
-            batches.notify(conn, batch_id)
+            worker_waits.wake(conn, 1, batch_id=batch_id)
     return row is not None
 

@@ -50,7 +50,7 @@ from jobrunner.runtime.taskhandlers import (
     has_async,
     importable,
 )
-from jobrunner.store import batches, db, effects
+from jobrunner.store import db, effects, worker_waits
 from jobrunner.store import reduce as reduce_store
 from jobrunner.store import results as result_store
 
@@ -360,7 +360,7 @@ def trigger(conn: psycopg.Connection, batch_id: str) -> ReduceState | None:
             conn.transaction():
         row = reduce_store.enqueue(conn, batch_id, tracing.carrier())
         if row is not None:
-            batches.notify(conn, batch_id)
+            worker_waits.wake(conn, 1, batch_id=batch_id)
         if span is not None:
             span.set_attribute("jobrunner.reduce.enqueued", row is not None)
     if row is not None:

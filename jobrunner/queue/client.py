@@ -29,7 +29,7 @@ from jobrunner.model.validation import (
     encode_payload,
 )
 from jobrunner.observability import tracing
-from jobrunner.store import batches
+from jobrunner.store import batches, worker_waits
 from jobrunner.store import flowcontrol as flow
 from jobrunner.store import reduce as reduce_store
 from jobrunner.store import tasks as task_store
@@ -177,8 +177,11 @@ class Queue:
                 raise BadInput(f"batch {batch_id!r} was reduced already: its reduce step ran "
                                "(or is running) over the tasks it had; enqueue under a new "
                                "batch id")
-            if new:
-                batches.notify(self.conn, batch_id)
+            if new and pool is None:
+                # (only as many waiting workers as there are new tasks: not the fleet)
+                worker_waits.wake(self.conn, new, batch_id=batch_id)
+            elif new:  # (its pool's workers were woken by enqueue_staged; this is for
+                batches.notify(self.conn, batch_id)  # the batch's watchers: the console)
             if span is not None:
                 span.set_attribute("messaging.batch.message_count", len(rows))
                 span.set_attribute("jobrunner.enqueue.new", new)
@@ -444,11 +447,20 @@ class Queue:
                                      if lease.id in released])
         return released
 
-    def next_due(self, batch_id: str | None = None, pool: str | None = None
-                 ) -> float | None:
+    def next_due(self, batch_id: str | None = None, pool: str | None = None, *,
+                 wait_id: int | None = None) -> float | None:
         """Seconds until the batch's (or the pool's) earliest pending task is due (<= 0:
-        one is due now); None when nothing is pending."""
-        return task_store.next_due(self.session, batch_id=batch_id, pool=pool)
+        one is due now); None when nothing is pending. With `wait_id`, the worker's
+        waiting row (agent_worker_wait) is written in the same round trip: an enqueue
+        wakes it by name (worker_waits.wake)."""
+        before = (() if wait_id is None
+                  else (worker_waits.enter_step(wait_id, batch_id, pool),))
+        return task_store.next_due(self.session, batch_id=batch_id, pool=pool,
+                                   before=before)
+
+    def wait_leave(self, wait_id: int) -> None:
+        """The worker's waiting row goes: it has work, or it stops."""
+        worker_waits.leave(self.session, wait_id)
 
     def expire(self, limit: int = 1000) -> list[dict[str, Any]]:
         """Return expired leases to pending (or dead); any worker may call this. A cheap

@@ -69,6 +69,7 @@ READ_ONLY = Statement("session_read_only")
 UTC = Statement("session_utc")
 LISTEN_BATCHES = Statement("session_listen_batches")
 LISTEN_POOLS = Statement("session_listen_pools")
+LISTEN_WAKE = Statement("session_listen_wake")
 LISTEN_DUE = Statement("session_listen_due")
 LISTEN_LEADER = Statement("session_listen_leader")
 LEADER_TRY = Statement("session_leader_try")
@@ -93,10 +94,17 @@ def listen(conn: psycopg.Connection, pools: bool) -> None:
     conn.execute((LISTEN_POOLS if pools else LISTEN_BATCHES).sql)
 
 
+def listen_wakes(conn: psycopg.Connection) -> None:
+    """Subscribe an autocommit connection to the enqueues that woke waiting workers by
+    name (worker_waits.wake): they send no note to everyone."""
+    conn.execute(LISTEN_WAKE.sql)
+
+
 def listen_all(conn: psycopg.Connection) -> None:
     """Subscribe a process's notifier connection (autocommit) to every wake-up a worker
-    acts on: enqueues of batches and pools, retry times, the leader's hand-over."""
-    for statement in (LISTEN_BATCHES, LISTEN_POOLS, LISTEN_DUE, LISTEN_LEADER):
+    acts on: enqueues of batches and pools (to all, or to waiting workers by name), retry
+    times, the leader's hand-over."""
+    for statement in (LISTEN_BATCHES, LISTEN_POOLS, LISTEN_WAKE, LISTEN_DUE, LISTEN_LEADER):
         conn.execute(statement.sql)
 
 

@@ -53,7 +53,7 @@ QUERY_FILES = ("queries/tasks.sql", "queries/batches.sql", "queries/effects.sql"
                "queries/workerpools.sql", "queries/generators.sql", "queries/session.sql",
                "queries/migrations.sql",
                "queries/batch_api.sql", "queries/audit.sql", "queries/roles.sql",
-               "queries/console.sql", "queries/schedules.sql",
+               "queries/console.sql", "queries/schedules.sql", "queries/worker_waits.sql",
                "grants/tenant_policies.sql")
 _DIRECTIVE = re.compile(r"^--\s*(name|fragment|include):\s*(\w+)\s*$")
 

@@ -103,13 +103,14 @@ def expired_any(session: Session) -> bool:
     return bool(cur.fetchone()["expired"])
 
 
-def next_due(session: Session, *, batch_id: str | None = None, pool: str | None = None
-             ) -> float | None:
+def next_due(session: Session, *, batch_id: str | None = None, pool: str | None = None,
+             before: Sequence[Step] = ()) -> float | None:
     """Seconds until the batch's (or the pool's) earliest pending task is due (<= 0: one
-    is due now); None when nothing is pending."""
+    is due now); None when nothing is pending. `before`: steps sent in the same round
+    trip and transaction, ahead of the look (a waiting worker's row)."""
     step = ((NEXT_DUE_POOL, {"pool": pool, "scan": NEXT_DUE_SCAN}) if pool is not None
             else (NEXT_DUE, {"batch_id": batch_id}))
-    (cur,) = session.round_trip([step], dict_row)
+    *_, cur = session.round_trip([*before, step], dict_row)
     seconds = cur.fetchone()["seconds"]
     return None if seconds is None else float(seconds)
 

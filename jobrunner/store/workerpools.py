@@ -32,6 +32,7 @@ from jobrunner.model.workerpools import (
     check_pool,
     check_weight,
 )
+from jobrunner.store import worker_waits
 from jobrunner.store.session import Mode, Session, Statement
 from jobrunner.store.sqlfiles import query
 
@@ -76,7 +77,7 @@ def enqueue_staged(conn: psycopg.Connection, batch_id: str, tenant_id: str, pool
         cur.execute(query("pool_relay"), {**key, "vstart": start["vstart"],
                                           "vstride": start["vstride"]})
     if new:
-        cur.execute(query("pool_notify"), {"pool": pool})
+        worker_waits.wake(conn, int(new), pool=pool)
     return int(new)
 
 

@@ -11,7 +11,8 @@ Guarantees:
   trigger (jobrunner/features/reduce.py) for every batch whose reduce may be due
   (batch_reduce_due). So a task of a crashed worker runs again within about a second of
   its lease expiring, and a batch's reduce is enqueued within about a second of its last
-  task becoming terminal, as long as a leader is alive.
+  task becoming terminal, as long as a leader is alive. About once a minute it also
+  deletes the waiting rows (agent_worker_wait) of workers not seen for ten minutes.
 - Every other worker sweeps only every `backstop` seconds (jittered): what it can see is
   rescued even while no leader is known (a leader's node lost: its lock stays with its
   session until the server notices). Across a fleet of W workers a backstop sweep runs
@@ -31,7 +32,7 @@ from collections.abc import Callable
 
 from jobrunner.features.reduce import trigger
 from jobrunner.queue.client import Queue
-from jobrunner.store import batches
+from jobrunner.store import batches, worker_waits
 from jobrunner.store import workerpools as pools
 
 log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker logs on)
@@ -50,6 +51,7 @@ class LeaseRescuer:
         self.next_at = float("-inf")  # the first sweep is due at once
         self.led = False  # led at the last tick
         self.sweeps = 0
+        self.waits_at = float("-inf")  # the next sweep of stale waiting rows (leader)
 
     def run_if_due(self, q: Queue, now: float) -> None:
         if self.leads is None:
@@ -66,6 +68,10 @@ class LeaseRescuer:
         settled = self._expire(q)
         if leading:
             settled.update(batches.reduce_due(q.conn))
+            if now >= self.waits_at:
+                with q.conn.transaction():
+                    worker_waits.sweep(q.conn)
+                self.waits_at = now + 60.0 * random.uniform(0.8, 1.2)
         for batch_id in sorted(settled):
             trigger(q.conn, batch_id)
         wait = self.interval if leading else self.backstop

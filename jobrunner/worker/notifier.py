@@ -87,6 +87,10 @@ class Subscription:
     # (task_next_due) then, a read, and claim if it is still due. A fleet of 1,000
     # waiting pods would otherwise send 1,000 claims in the same instant for one retry.
     _backup_at: float = math.inf
+    # Its row's id in agent_worker_wait while it waits (a random 63-bit number, chosen
+    # once), as the enqueues that wake waiting workers by name write it: they wake as
+    # many as they have tasks for (worker_waits.wake), not every listener of the batch.
+    wait_id: int = field(default_factory=lambda: random.getrandbits(63) or 1)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -127,7 +131,14 @@ class Subscription:
                 self.wake.set()
 
     def hear(self, channel: str, payload: str, now: float) -> None:
-        if channel == "jobrunner_queue":
+        if channel == "jobrunner_wake":
+            ids, _, target = payload.partition(" ")
+            if target == self.target and str(self.wait_id) in ids.split(","):
+                self.noted_at = now
+                if self.pool is not None:
+                    self.rescan.set()
+                self.wake.set()
+        elif channel == "jobrunner_queue":
             if self.pool is None and payload == self.batch_id:
                 self.noted_at = now
                 self.wake.set()

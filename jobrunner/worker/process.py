@@ -178,6 +178,8 @@ class Worker:
                 entry.task.lease_lost.set()  # tells cooperative handlers and commands to stop
             self.producer.release([e.lease for e in leftovers if not e.lost_at] + unstarted,
                                   db_locked=True)  # not locked: the other thread gave up
+            if not state.force_stop.is_set():
+                self.producer.leave_wait(db_locked=True)
         finally:
             if locked:
                 self.conn.lock.release()

@@ -105,6 +105,9 @@ class Producer:
         # as far as task_next_due could tell): if it wakes with no note and no retry come
         # due, it looks (task_next_due) before it claims. None: claim on waking.
         self._quiet_mark: float | None = None
+        # Whether its look wrote its row in agent_worker_wait (a waiting worker that an
+        # enqueue may wake by name) and no claim has taken it out since.
+        self._waiting = False
 
     # -- the claim loop ----------------------------------------------------------------
     def run(self) -> None:
@@ -140,6 +143,10 @@ class Producer:
             if (outcomes or want) and not quiet:  # (quiet: on to the drain check)
                 claimed = self._complete_and_claim(outcomes, want, wait_busy=True)
             self._start_from_buffer()
+            if claimed and self._waiting:
+                # (after its tasks started: a wake-up by name that would reach it now,
+                # busy, would be one the enqueue's spare has to cover)
+                self.leave_wait()
             if stop_claiming and not state.in_flight() and not state.unacked:
                 return
             if claimed:
@@ -225,8 +232,31 @@ class Producer:
         return ahead is None or ahead > 0, ahead
 
     def _next_due(self) -> float | None:
-        claim = self.claim
-        return self.conn.run(lambda q: q.next_due(claim.batch_id, claim.pool), "next due")
+        """The look (task_next_due). With a notifier connected it also writes the
+        worker's waiting row in the same round trip: a worker looks only when it has
+        nothing to claim, and an enqueue wakes the workers whose rows it finds by name
+        (worker_waits.wake) rather than every listener of the batch."""
+        claim, sub = self.claim, self.subscription
+        wait_id = (sub.wait_id if sub is not None and self.notifier is not None
+                   and self.notifier.connected.is_set() else None)
+        ahead = self.conn.run(lambda q: q.next_due(claim.batch_id, claim.pool,
+                                                   wait_id=wait_id), "next due")
+        self._waiting = self._waiting or wait_id is not None
+        return ahead
+
+    def leave_wait(self, *, db_locked: bool = False) -> None:
+        """Delete the worker's waiting row (it has work, or it stops). Best effort: a row
+        left behind costs one wake-up and is swept after ten minutes."""
+        sub = self.subscription
+        if not self._waiting or sub is None:
+            return
+        self._waiting = False
+        run = self.conn.run_locked if db_locked else self.conn.run
+        try:
+            run(lambda q: q.wait_leave(sub.wait_id), "leave wait")
+        except Exception as exc:
+            log.debug("worker %s: its waiting row stays until swept: %s",
+                      self.claim.worker_id, db.describe_error(exc, self.config.dsn))
 
     def _until_room(self, wait: float) -> float:
         """The idle sleep, cut short to when a full limit has room again: a limit paced at

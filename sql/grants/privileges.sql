@@ -16,8 +16,9 @@ REVOKE ALL ON agent_batch, agent_batch_usage, agent_limit, agent_limit_lane,
     agent_pool_tenant_usage, agent_schedule, agent_schedule_trigger, agent_shard_lease,
     agent_task_attempt,
     agent_task_effect, agent_task_key, agent_task_usage, agent_work_queue,
-    agent_work_queue_archive, api_batch, api_file, api_file_chunk, api_key, console_audit,
-    jobrunner_component_role, jobrunner_schema_migrations, jobrunner_tenant_role
+    agent_work_queue_archive, agent_worker_wait, api_batch, api_file, api_file_chunk,
+    api_key, console_audit, jobrunner_component_role, jobrunner_schema_migrations,
+    jobrunner_tenant_role
 FROM {operator}, {worker}, {api}, {readonly};
 REVOKE ALL ON SEQUENCE agent_schedule_trigger_id_seq, agent_work_queue_id_seq,
     console_audit_id_seq
@@ -74,6 +75,9 @@ GRANT SELECT ON agent_pool_tenant, jobrunner_schema_migrations TO {worker};
 GRANT SELECT, UPDATE ON agent_limit, agent_limit_lane TO {worker};
 GRANT SELECT, INSERT, DELETE ON agent_limit_lease TO {worker};
 GRANT USAGE ON SEQUENCE agent_work_queue_id_seq TO {worker};
+-- its own waiting row; taking other workers' when it enqueues (a reduce, a generator's
+-- chunk); the leader's sweep of dead workers' rows (migration 0030)
+GRANT SELECT, INSERT, UPDATE, DELETE ON agent_worker_wait TO {worker};
 GRANT EXECUTE ON FUNCTION
     jobrunner_batch_settled(text, text),
     jobrunner_limit_admit(bigint[]),
@@ -96,6 +100,9 @@ GRANT SELECT, INSERT, DELETE ON agent_task_attempt TO {operator};
 GRANT SELECT, INSERT, DELETE ON agent_work_queue_archive TO {operator};
 GRANT SELECT ON jobrunner_schema_migrations TO {operator};
 GRANT USAGE ON SEQUENCE agent_work_queue_id_seq TO {operator};
+-- an enqueue wakes the waiting workers it has tasks for by taking their rows (FOR UPDATE
+-- SKIP LOCKED, which needs UPDATE: two enqueues take different workers)
+GRANT SELECT, UPDATE, DELETE ON agent_worker_wait TO {operator};
 -- BatchRunSchedules as last seen (written when they change, deleted with them), and the
 -- console's trigger requests, each taken once and answered (migration 0029).
 GRANT SELECT, INSERT, UPDATE, DELETE ON agent_schedule TO {operator};
@@ -137,6 +144,8 @@ GRANT SELECT ON agent_task_effect, agent_task_attempt, agent_limit, agent_limit_
 GRANT UPDATE (blocked_until, updated_at) ON agent_limit TO {api};
 GRANT INSERT, UPDATE ON agent_pool_tenant TO {api};
 GRANT USAGE ON SEQUENCE agent_work_queue_id_seq TO {api};
+-- an enqueue wakes the waiting workers it has tasks for by taking their rows
+GRANT SELECT, UPDATE, DELETE ON agent_worker_wait TO {api};
 GRANT EXECUTE ON FUNCTION
     jobrunner_batch_settled(text, text),
     jobrunner_pool_now(text),

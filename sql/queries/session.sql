@@ -49,6 +49,10 @@ LISTEN jobrunner_queue;
 -- Receive pool_notify's wake-ups (payload: the pool name).
 LISTEN jobrunner_pool;
 
+-- name: session_listen_wake
+-- Receive worker_wait_wake_*'s wake-ups (payload: "ID,ID,... batch ID" or "... pool NAME").
+LISTEN jobrunner_wake;
+
 -- name: session_listen_due
 -- Receive task_retry_notify's retry times (payload: "batch ID SECONDS" or "pool NAME SECONDS").
 LISTEN jobrunner_due;

@@ -1,7 +1,8 @@
 """Live updates: server-sent events fed by one database listener per server process.
 
 One thread per process LISTENs on the queue's channels (jobrunner_queue: a batch got
-work, was requeued or cancelled, the console acted; jobrunner_pool: a pool got work) and
+work, was requeued or cancelled, the console acted; jobrunner_pool: a pool got work;
+jobrunner_wake: a batch or pool got work that woke only some of its workers) and
 refreshes what the open pages show: one query per *topic* (the overview of one tenant
 scope, or one batch), whatever the number of viewers of that topic, and at most once
 per `min_gap` seconds per topic however many notifications arrive (they are coalesced:
@@ -112,6 +113,7 @@ class Hub:
                         self.dsn, application_name="jobrunner-console-live")) as conn:
                     session.listen(conn, pools=False)
                     session.listen(conn, pools=True)
+                    session.listen_wakes(conn)
                     self.stats.listening = True
                     backoff = 0.5
                     self._loop(conn)

@@ -1,0 +1,56 @@
+-- Waiting workers (agent_worker_wait, migration 0030): a worker's row while it sleeps
+-- with nothing to claim, and the enqueue's wake-up of as many of them as it has work for.
+
+-- name: worker_wait_enter
+-- Write (or refresh) a waiting worker's row: it is about to sleep until a note.
+INSERT INTO agent_worker_wait (wait_id, batch_id, pool)
+VALUES (%(wait_id)s, %(batch_id)s, %(pool)s)
+ON CONFLICT (wait_id) DO UPDATE
+SET batch_id = EXCLUDED.batch_id, pool = EXCLUDED.pool, seen_at = now();
+
+-- name: worker_wait_leave
+-- Delete a worker's row: it has work, or it stops.
+DELETE FROM agent_worker_wait WHERE wait_id = %(wait_id)s;
+
+-- name: worker_wait_wake_batch
+-- Take up to `count` of a batch's waiting workers (most recently seen first) and name
+-- them in one note; the number taken (0: nobody waits, wake everyone instead).
+--
+-- SKIP LOCKED: two concurrent enqueues take different workers. The rows stay locked
+-- until the enqueue commits, which is when the note is delivered.
+WITH woken AS (
+    DELETE FROM agent_worker_wait w
+    WHERE w.wait_id IN (SELECT x.wait_id FROM agent_worker_wait x
+                        WHERE x.batch_id = %(batch_id)s
+                        ORDER BY x.seen_at DESC
+                        LIMIT %(count)s
+                        FOR UPDATE SKIP LOCKED)
+    RETURNING w.wait_id
+),
+ids AS (SELECT count(*) AS n, string_agg(wait_id::text, ',') AS list FROM woken)
+SELECT ids.n AS woken,
+       CASE WHEN ids.n > 0
+            THEN pg_notify('jobrunner_wake', ids.list || ' batch ' || %(batch_id)s) END AS note
+FROM ids;
+
+-- name: worker_wait_wake_pool
+-- As worker_wait_wake_batch, for a pool's waiting workers.
+WITH woken AS (
+    DELETE FROM agent_worker_wait w
+    WHERE w.wait_id IN (SELECT x.wait_id FROM agent_worker_wait x
+                        WHERE x.pool = %(pool)s
+                        ORDER BY x.seen_at DESC
+                        LIMIT %(count)s
+                        FOR UPDATE SKIP LOCKED)
+    RETURNING w.wait_id
+),
+ids AS (SELECT count(*) AS n, string_agg(wait_id::text, ',') AS list FROM woken)
+SELECT ids.n AS woken,
+       CASE WHEN ids.n > 0
+            THEN pg_notify('jobrunner_wake', ids.list || ' pool ' || %(pool)s) END AS note
+FROM ids;
+
+-- name: worker_wait_sweep
+-- Delete the rows of workers not seen for ten minutes (dead without leaving; a live
+-- waiting worker refreshes its row on every fallback look, about once a minute).
+DELETE FROM agent_worker_wait WHERE seen_at < now() - interval '10 minutes';
