@@ -91,6 +91,8 @@ class Subscription:
     # once), as the enqueues that wake waiting workers by name write it: they wake as
     # many as they have tasks for (worker_waits.wake), not every listener of the batch.
     wait_id: int = field(default_factory=lambda: random.getrandbits(63) or 1)
+    # when a note last named it (monotonic): the enqueue took its row
+    named_at: float = -math.inf
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -134,7 +136,7 @@ class Subscription:
         if channel == "jobrunner_wake":
             ids, _, target = payload.partition(" ")
             if target == self.target and str(self.wait_id) in ids.split(","):
-                self.noted_at = now
+                self.noted_at = self.named_at = now
                 if self.pool is not None:
                     self.rescan.set()
                 self.wake.set()

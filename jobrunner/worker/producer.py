@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker logs on)
 
 _NONE_BUSY: frozenset[int] = frozenset()
+# Seconds between two writes of a waiting worker's row (agent_worker_wait.seen_at) at
+# most; the leader sweeps rows not seen for ten minutes.
+WAIT_REFRESH = 30.0
 _UNKNOWN = object()  # (_idle_wait: no look taken yet)
 
 
@@ -106,8 +109,9 @@ class Producer:
         # due, it looks (task_next_due) before it claims. None: claim on waking.
         self._quiet_mark: float | None = None
         # Whether its look wrote its row in agent_worker_wait (a waiting worker that an
-        # enqueue may wake by name) and no claim has taken it out since.
+        # enqueue may wake by name) and no claim has taken it out since, and when.
         self._waiting = False
+        self._entered_at = float("-inf")
 
     # -- the claim loop ----------------------------------------------------------------
     def run(self) -> None:
@@ -237,11 +241,22 @@ class Producer:
         nothing to claim, and an enqueue wakes the workers whose rows it finds by name
         (worker_waits.wake) rather than every listener of the batch."""
         claim, sub = self.claim, self.subscription
-        wait_id = (sub.wait_id if sub is not None and self.notifier is not None
-                   and self.notifier.connected.is_set() else None)
+        now = time.monotonic()
+        wait_id = None
+        if (sub is not None and self.notifier is not None
+                and self.notifier.connected.is_set()):
+            if sub.named_at >= self._entered_at:
+                self._waiting = False  # (a note named it: the enqueue took its row)
+            # Written once, then refreshed every WAIT_REFRESH at most: its seen_at is what
+            # keeps a live worker's row above a dead one's and clear of the sweep, and the
+            # looks that a fleet's retries bring (each waiting worker looks once per
+            # retry) need not each rewrite it.
+            if not self._waiting or now - self._entered_at >= WAIT_REFRESH:
+                wait_id = sub.wait_id
         ahead = self.conn.run(lambda q: q.next_due(claim.batch_id, claim.pool,
                                                    wait_id=wait_id), "next due")
-        self._waiting = self._waiting or wait_id is not None
+        if wait_id is not None:
+            self._waiting, self._entered_at = True, now
         return ahead
 
     def leave_wait(self, *, db_locked: bool = False) -> None:
@@ -251,6 +266,8 @@ class Producer:
         if not self._waiting or sub is None:
             return
         self._waiting = False
+        if sub.named_at >= self._entered_at:
+            return  # (a note named it: the enqueue that sent it took the row)
         run = self.conn.run_locked if db_locked else self.conn.run
         try:
             run(lambda q: q.wait_leave(sub.wait_id), "leave wait")
