@@ -24,6 +24,14 @@ Guarantees:
 - Notes are coalesced at both ends: PostgreSQL folds identical notes of one transaction
   into one (an enqueue of 100k tasks is one note), and a note only sets a subscription's
   wake-up event, so many notes before the claim loop runs are one wake-up.
+- An enqueue wakes few: a waiting worker's look writes its row (agent_worker_wait, its
+  subscription's `wait_id`), and an enqueue of n tasks takes up to n + 1 of its batch's
+  (or pool's) rows, most recently seen first, and names them in one note
+  (jobrunner_wake): only they claim; every other waiting worker sleeps on, so a note
+  costs the server a claim per task, not one per waiting pod. With nobody waiting, or
+  more than worker_waits.MOST wanted, the note goes to every listener as before. A
+  worker busy at the time (no row) finds the work with its own polls; a busy pool
+  worker sees tasks laid before its scan position within FULL_SCAN_EVERY (1 s).
 
 Behind PgBouncer in transaction pooling mode, LISTEN and session advisory locks do not
 work: the notifier then needs a direct DSN (`--listen-dsn`, JOBRUNNER_LISTEN_DATABASE_URL),

@@ -18,7 +18,9 @@ Guarantees:
   not get, and a little after (notifier.BACKUP_DELAY) the batch's next pending task's
   due time (task_next_due) or another worker's retry time at the latest. Waking with no
   note and no retry of its own due, it first looks (task_next_due, a read) and claims
-  only if a task is due: a lost note's work is due, so the look finds it.
+  only if a task is due: a lost note's work is due, so the look finds it. The look
+  also writes its waiting row (agent_worker_wait), so that an enqueue wakes it by name
+  rather than the whole fleet (notifier.py); a claim that gets tasks deletes the row.
   Without one (--no-listen, a transaction pooler without a direct DSN, the notifier
   reconnecting) it polls every idle_poll, as before.
 - After max_tasks claims it claims no more and gives back what it has not started;
