@@ -608,3 +608,62 @@ def test_an_enqueue_wakes_by_name_as_many_waiting_workers_as_it_has_tasks_for(
     # (the spare: without it the only named worker is the dead one, and the task waits
     # for a fallback poll of 600 s; 10 s is the wait_for above)
     assert took < 10
+
+
+def _fail_first(task) -> None:
+    if task.attempt == 1:
+        raise RuntimeError("the first attempt fails")
+
+
+def test_a_retry_names_two_waiting_workers_to_look_for_it_not_the_fleet(dsn, conn, capsys):
+    """Six waiting workers of a batch; one task's first attempt fails (backoff base 2 s:
+    due 4-5 s later). Its own worker claims it at its run_after; two of the other five,
+    named in the retry's note (task_retry_notify: the most recently seen waiting rows),
+    look for it 0.1-0.6 s after; the other three send nothing. Witness: the server's
+    record of each worker's queue connection, from just before the retry is due to 1.5 s
+    after (the named looks' spread ends at 0.6 s). A note to every listener would make
+    all five look."""
+    workers = [Worker(WorkerConfig(dsn=dsn, batch_id="r", handler=_fail_first, grace_period=1,
+                                   backoff_base=2.0, idle_fallback=(600.0, 600.0)))
+               for _ in range(6)]
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    for thread in threads:
+        thread.start()
+    names = {f"jobrunner-worker {w.worker_id}": w for w in workers}
+
+    def statements() -> dict[str, object]:
+        rows = conn.execute(QUEUE_CONNECTIONS, (list(names),)).fetchall()
+        conn.rollback()
+        return {r["application_name"]: r["state_change"] for r in rows}
+
+    try:
+        wait_for(lambda: _one(conn, "SELECT count(*) AS n FROM agent_worker_wait "
+                              "WHERE batch_id = 'r'")["n"] == 6, timeout=20,
+                 what="six waiting rows")
+        Queue(conn).enqueue("r", "acme", [TaskSpec("flaky", {})])
+        conn.commit()
+        failed = wait_for(lambda: _one(conn, "SELECT worker FROM agent_task_attempt "
+                                       "WHERE attempt = 1"), interval=0.01,
+                          what="the failed first attempt")
+        due = _one(conn, "SELECT run_after, clock_timestamp() AS now FROM agent_work_queue "
+                         "WHERE task_key = 'flaky' AND status = 'pending'")
+        until_due = (due["run_after"] - due["now"]).total_seconds()
+        assert until_due > 2.5, due  # (past the woken workers' idle_warm of 2 s)
+        time.sleep(until_due - 0.5)
+        before = statements()
+        time.sleep(2.0)
+        after = statements()
+        done = _one(conn, "SELECT status, attempts FROM agent_work_queue "
+                          "WHERE task_key = 'flaky'")
+    finally:
+        for worker in workers:
+            worker.request_stop()
+        for thread in threads:
+            thread.join(30)
+    owner = f"jobrunner-worker {failed['worker']}"
+    looked = sorted(n for n in names if n != owner and after[n] != before[n])
+    show(capsys, f"a retry with five other workers waiting: {len(looked)} of them sent a "
+         "statement around its run_after")
+    assert done["status"] == "done" and done["attempts"] == 2, done
+    assert after[owner] != before[owner]  # (its own worker claimed it)
+    assert len(looked) <= 2, looked

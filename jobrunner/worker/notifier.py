@@ -8,7 +8,8 @@ Guarantees:
   the server nothing between notes: its claim loop sleeps until a note, until the
   earliest retry time it was told of, until a full limit has room, or until its slow
   fallback poll (a minute, with jitter), which exists only for notes that were lost.
-  A retry time heard from another worker wakes it 0.1-0.6 s late (BACKUP_DELAY) and
+  A retry time heard from another worker (two waiting workers are named for it, or all
+  when none waits: task_retry_notify) wakes it 0.1-0.6 s late (BACKUP_DELAY) and
   only to look: the retry is its own worker's to claim at the time (Subscription).
 - `connected` is set only while the LISTEN session is up. While it is not (never
   connected, reconnecting, or no direct DSN behind PgBouncer's transaction pooling),
@@ -158,8 +159,9 @@ class Subscription:
                 self.rescan.set()
                 self.wake.set()
         elif channel == "jobrunner_due":
-            target, _, seconds = payload.rpartition(" ")
-            if target == self.target:
+            ids, _, rest = payload.partition(" ")
+            target, _, seconds = rest.rpartition(" ")
+            if target == self.target and (ids == "*" or str(self.wait_id) in ids.split(",")):
                 try:
                     self.backup(now + max(0.0, float(seconds)))
                 except ValueError:

@@ -54,7 +54,7 @@ LISTEN jobrunner_pool;
 LISTEN jobrunner_wake;
 
 -- name: session_listen_due
--- Receive task_retry_notify's retry times (payload: "batch ID SECONDS" or "pool NAME SECONDS").
+-- Receive task_retry_notify's retry times (payload: "IDS|* batch ID SECONDS" or "IDS|* pool NAME SECONDS").
 LISTEN jobrunner_due;
 
 -- name: session_listen_leader

@@ -1127,13 +1127,28 @@ LIMIT %(limit)s;
 --
 -- The rows (target, seconds) go back to the failing worker too: it schedules its own look
 -- from them, so a note its listener missed (it was still connecting) loses nothing.
+--
+-- The retry is its own worker's to claim; the others only look for it a little after it
+-- is due, in case that worker is busy or gone. Two waiting workers of the target (the
+-- most recently seen rows of agent_worker_wait) are named for that look, so a fleet of
+-- 1,000 waiting pods does not send 1,000 looks per retry; with none waiting ("*"),
+-- every listener of the target looks, as before. Payload: "IDS|* TARGET SECONDS".
 SELECT n.target, n.seconds::float8 AS seconds,
-       pg_notify('jobrunner_due', n.target || ' ' || n.seconds)
-FROM (SELECT DISTINCT
+       pg_notify('jobrunner_due', coalesce(w.ids, '*') || ' ' || n.target || ' ' || n.seconds)
+FROM (SELECT DISTINCT q.batch_id, q.pool,
              CASE WHEN q.pool IS NULL THEN 'batch ' || q.batch_id ELSE 'pool ' || q.pool END
                  AS target,
              round(extract(epoch FROM q.run_after - clock_timestamp())::numeric, 2)::text
                  AS seconds
       FROM agent_work_queue q
       WHERE q.id = ANY(%(ids)s::bigint[]) AND q.status = 'pending'
-        AND q.run_after > clock_timestamp()) n;
+        AND q.run_after > clock_timestamp()) n
+LEFT JOIN LATERAL (
+    SELECT string_agg(x.wait_id::text, ',') AS ids
+    FROM ((SELECT v.wait_id FROM agent_worker_wait v
+           WHERE n.pool IS NULL AND v.batch_id = n.batch_id
+           ORDER BY v.seen_at DESC LIMIT 2)
+          UNION ALL
+          (SELECT v.wait_id FROM agent_worker_wait v
+           WHERE n.pool IS NOT NULL AND v.pool = n.pool
+           ORDER BY v.seen_at DESC LIMIT 2)) x) w ON true;
