@@ -547,11 +547,19 @@ def test_an_enqueue_wakes_by_name_as_many_waiting_workers_as_it_has_tasks_for(
     the other four send nothing. Witness: the server's record of each worker's queue
     connection (pg_stat_activity.state_change), which moves with any statement it sends.
     With the note to every listener (jobrunner_queue) all six would claim at once.
+    A seventh listener of the batch (a notifier of its own, as another pod's process has)
+    whose worker is not named receives no note at all: each named worker is told on its
+    own channel, so the other clients of the fleet are not woken (the server still
+    signals their backends).
     Then a dead worker's row (never refreshed, but placed first): the spare still wakes a
     live worker, and the task starts at once, not at a fallback poll (600 s here)."""
     workers = [Worker(WorkerConfig(dsn=dsn, batch_id="n", handler=lambda task: None,
                                    grace_period=1, idle_fallback=(600.0, 600.0)))
                for _ in range(6)]
+    other = notifier_mod.Notifier(dsn, elect=False)
+    other_sub = notifier_mod.Subscription("n", None, threading.Event())
+    other.subscribe(other_sub)
+    other.start()
     threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
     for thread in threads:
         thread.start()
@@ -569,8 +577,10 @@ def test_an_enqueue_wakes_by_name_as_many_waiting_workers_as_it_has_tasks_for(
     try:
         # (each looked once its start's claim found nothing: its row is written)
         wait_for(lambda: waiting() == 6, timeout=20, what="six waiting rows")
+        wait_for(other_sub.listening.is_set, what="the seventh listener")
         before = statements()
         assert len(before) == 6, before
+        heard = other.stats["notes"]
         Queue(conn).enqueue("n", "acme", [TaskSpec("one", {})])
         conn.commit()
         wait_for(lambda: _one(conn, "SELECT count(*) AS n FROM agent_work_queue WHERE "
@@ -579,6 +589,7 @@ def test_an_enqueue_wakes_by_name_as_many_waiting_workers_as_it_has_tasks_for(
         time.sleep(1.0)  # (the woken ones' claims and looks: milliseconds)
         after = statements()
         woke = sorted(n for n in names if after[n] != before[n])
+        other_heard = other.stats["notes"] - heard
 
         # A dead worker's row, first in line (most recently seen): the enqueue takes it
         # and one live worker's.
@@ -600,10 +611,12 @@ def test_an_enqueue_wakes_by_name_as_many_waiting_workers_as_it_has_tasks_for(
             worker.request_stop()
         for thread in threads:
             thread.join(30)
+        other.close()
     show(capsys, f"an enqueue of one task with six workers waiting: {len(woke)} of them sent "
-         f"a statement; with a dead worker's row first, the task was done {took * 1000:.0f} "
-         "ms after the enqueue")
+         f"a statement, a seventh listener heard {other_heard} notes; with a dead worker's "
+         f"row first, the task was done {took * 1000:.0f} ms after the enqueue")
     assert 1 <= len(woke) <= 2, woke
+    assert other_heard == 0
     assert dead_row == 0
     # (the spare: without it the only named worker is the dead one, and the task waits
     # for a fallback poll of 600 s; 10 s is the wait_for above)

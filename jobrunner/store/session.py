@@ -30,6 +30,7 @@ from functools import cached_property
 from typing import Any
 
 import psycopg
+from psycopg import sql as pgsql
 from psycopg.rows import RowFactory, dict_row, tuple_row
 
 from jobrunner.store.db import transaction_pooling
@@ -100,11 +101,19 @@ def listen_wakes(conn: psycopg.Connection) -> None:
     conn.execute(LISTEN_WAKE.sql)
 
 
+def listen_channel(conn: psycopg.Connection, channel: str, *, listen: bool = True) -> None:
+    """LISTEN (or UNLISTEN) one channel of jobrunner's own naming (a worker's:
+    worker_waits.channel). LISTEN takes no parameter: the name goes in as a quoted
+    identifier, never as text."""
+    verb = "LISTEN {}" if listen else "UNLISTEN {}"
+    conn.execute(pgsql.SQL(verb).format(pgsql.Identifier(channel)))
+
+
 def listen_all(conn: psycopg.Connection) -> None:
     """Subscribe a process's notifier connection (autocommit) to every wake-up a worker
-    acts on: enqueues of batches and pools (to all, or to waiting workers by name), retry
-    times, the leader's hand-over."""
-    for statement in (LISTEN_BATCHES, LISTEN_POOLS, LISTEN_WAKE, LISTEN_DUE, LISTEN_LEADER):
+    acts on: enqueues of batches and pools, retry times, the leader's hand-over. (The
+    notes that name one worker come on its own channel: listen_channel.)"""
+    for statement in (LISTEN_BATCHES, LISTEN_POOLS, LISTEN_DUE, LISTEN_LEADER):
         conn.execute(statement.sql)
 
 

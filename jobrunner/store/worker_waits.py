@@ -24,6 +24,12 @@ SPARE = 1
 MOST = 100
 
 
+def channel(wait_id: int) -> str:
+    """The channel a waiting worker LISTENs on for the notes that name it (the same name
+    as sql/queries/worker_waits.sql and task_retry_notify build: 'jobrunner_wake_' || id)."""
+    return f"jobrunner_wake_{wait_id}"
+
+
 def enter_step(wait_id: int, batch_id: str | None, pool: str | None) -> Step:
     """A waiting worker's row, written (or refreshed) as a step of its look's round trip
     (tasks.next_due): a worker about to sleep until a note."""
@@ -37,8 +43,8 @@ def leave(session: Session, wait_id: int) -> None:
 def wake(conn: psycopg.Connection, count: int, *, batch_id: str | None = None,
          pool: str | None = None) -> int:
     """In an enqueue's transaction: wake the waiting workers of a batch or a pool for
-    `count` new tasks. Up to count + SPARE of them are named in one note (jobrunner_wake)
-    and only they claim; with nobody waiting, or more than MOST wanted, every listener
+    `count` new tasks. Up to count + SPARE of them are told, each on its own channel
+    (channel()), and only they claim; with nobody waiting, or more than MOST wanted, every listener
     of the batch or pool is woken (jobrunner_queue, jobrunner_pool), as before. Returns
     how many were named (0: everyone was woken)."""
     want = count + SPARE

@@ -8,8 +8,8 @@ Guarantees:
   the server nothing between notes: its claim loop sleeps until a note, until the
   earliest retry time it was told of, until a full limit has room, or until its slow
   fallback poll (a minute, with jitter), which exists only for notes that were lost.
-  A retry time heard from another worker (two waiting workers are named for it, or all
-  when none waits: task_retry_notify) wakes it 0.1-0.6 s late (BACKUP_DELAY) and
+  A retry time heard from another worker (two waiting workers are told, or all when
+  none waits: task_retry_notify) wakes it 0.1-0.6 s late (BACKUP_DELAY) and
   only to look: the retry is its own worker's to claim at the time (Subscription).
 - `connected` is set only while the LISTEN session is up. While it is not (never
   connected, reconnecting, or no direct DSN behind PgBouncer's transaction pooling),
@@ -26,13 +26,16 @@ Guarantees:
   into one (an enqueue of 100k tasks is one note), and a note only sets a subscription's
   wake-up event, so many notes before the claim loop runs are one wake-up.
 - An enqueue wakes few: a waiting worker's look writes its row (agent_worker_wait, its
-  subscription's `wait_id`), and an enqueue of n tasks takes up to n + 1 of its batch's
-  (or pool's) rows, most recently seen first, and names them in one note
-  (jobrunner_wake): only they claim; every other waiting worker sleeps on, so a note
-  costs the server a claim per task, not one per waiting pod. With nobody waiting, or
-  more than worker_waits.MOST wanted, the note goes to every listener as before. A
-  worker busy at the time (no row) finds the work with its own polls; a busy pool
-  worker sees tasks laid before its scan position within FULL_SCAN_EVERY (1 s).
+  subscription's `wait_id`) once the notifier LISTENs on its own channel
+  (jobrunner_wake_ID), and an enqueue of n tasks takes up to n + 1 of its batch's (or
+  pool's) rows, most recently seen first, and sends each a note on its channel: only
+  they claim, and no other worker's client even receives a note (PostgreSQL 18 still
+  signals every listening backend, which reads the note and passes nothing on). So an
+  enqueue costs the server a claim per task, not one per waiting pod. With nobody
+  waiting, or more than worker_waits.MOST wanted, the note goes to every listener as
+  before. A worker busy at the time (no row) finds the work with its own polls; a busy
+  pool worker sees tasks laid before its scan position within FULL_SCAN_EVERY (1 s). A
+  retry's backup look goes the same way to two waiting workers (task_retry_notify).
 
 Behind PgBouncer in transaction pooling mode, LISTEN and session advisory locks do not
 work: the notifier then needs a direct DSN (`--listen-dsn`, JOBRUNNER_LISTEN_DATABASE_URL),
@@ -51,7 +54,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from jobrunner.store import db, session
+from jobrunner.store import db, session, worker_waits
 
 log = logging.getLogger("jobrunner.worker")  # (the name operators filter worker logs on)
 
@@ -98,8 +101,12 @@ class Subscription:
     _backup_at: float = math.inf
     # Its row's id in agent_worker_wait while it waits (a random 63-bit number, chosen
     # once), as the enqueues that wake waiting workers by name write it: they wake as
-    # many as they have tasks for (worker_waits.wake), not every listener of the batch.
+    # many as they have tasks for (worker_waits.wake), not every listener of the batch,
+    # each on its own channel (worker_waits.channel), so no other client is woken.
     wait_id: int = field(default_factory=lambda: random.getrandbits(63) or 1)
+    # set while the notifier's session LISTENs on that channel: only then may the worker
+    # write its row (a note naming it would otherwise go nowhere)
+    listening: threading.Event = field(default_factory=threading.Event)
     # when a note last named it (monotonic): the enqueue took its row
     named_at: float = -math.inf
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -107,6 +114,26 @@ class Subscription:
     @property
     def target(self) -> str:
         return f"pool {self.pool}" if self.pool is not None else f"batch {self.batch_id}"
+
+    @property
+    def channel(self) -> str:
+        return worker_waits.channel(self.wait_id)
+
+    def hear_named(self, payload: str, now: float) -> None:
+        """A note on its own channel: an enqueue took its row ("batch ID", "pool NAME"),
+        or a retry it is one of the two to look for ("due TARGET SECONDS")."""
+        if payload.startswith("due "):
+            target, _, seconds = payload[4:].rpartition(" ")
+            if target == self.target:
+                try:
+                    self.backup(now + max(0.0, float(seconds)))
+                except ValueError:
+                    pass
+        elif payload == self.target:
+            self.noted_at = self.named_at = now
+            if self.pool is not None:
+                self.rescan.set()
+            self.wake.set()
 
     def due_in(self, now: float) -> float:
         """Seconds until the earliest retry this worker was told of (inf: none)."""
@@ -142,14 +169,7 @@ class Subscription:
                 self.wake.set()
 
     def hear(self, channel: str, payload: str, now: float) -> None:
-        if channel == "jobrunner_wake":
-            ids, _, target = payload.partition(" ")
-            if target == self.target and str(self.wait_id) in ids.split(","):
-                self.noted_at = self.named_at = now
-                if self.pool is not None:
-                    self.rescan.set()
-                self.wake.set()
-        elif channel == "jobrunner_queue":
+        if channel == "jobrunner_queue":
             if self.pool is None and payload == self.batch_id:
                 self.noted_at = now
                 self.wake.set()
@@ -159,9 +179,8 @@ class Subscription:
                 self.rescan.set()
                 self.wake.set()
         elif channel == "jobrunner_due":
-            ids, _, rest = payload.partition(" ")
-            target, _, seconds = rest.rpartition(" ")
-            if target == self.target and (ids == "*" or str(self.wait_id) in ids.split(",")):
+            target, _, seconds = payload.rpartition(" ")
+            if target == self.target:
                 try:
                     self.backup(now + max(0.0, float(seconds)))
                 except ValueError:
@@ -185,17 +204,22 @@ class Notifier:
         self._thread: threading.Thread | None = None
         self._next_try = 0.0
         self._users = 0
+        # the workers' own channels (Subscription.channel) the current session LISTENs on
+        self._listened: dict[str, Subscription] = {}
+        self._subscribed_at = -math.inf  # (monotonic)
         self.stats = {"notes": 0, "connects": 0, "elected": 0}
 
     # -- subscriptions -----------------------------------------------------------------
     def subscribe(self, sub: Subscription) -> None:
         with self._lock:
             self._subs.append(sub)
+            self._subscribed_at = time.monotonic()
 
     def unsubscribe(self, sub: Subscription) -> None:
         with self._lock:
             if sub in self._subs:
                 self._subs.remove(sub)
+        sub.listening.clear()
 
     def leads(self, sub: Subscription) -> bool:
         """True when this process leads and `sub` is the one of its subscriptions that
@@ -247,6 +271,9 @@ class Notifier:
             finally:
                 with self._lock:
                     was_leader, self._leader = self._leader, False
+                    listened, self._listened = self._listened, {}
+                for sub in listened.values():
+                    sub.listening.clear()
                 self.connected.clear()
                 if conn is not None:
                     self._leave(conn, resign=was_leader and self._closed.is_set())
@@ -257,6 +284,7 @@ class Notifier:
 
     def _listen(self, conn: psycopg.Connection) -> None:
         while not self._closed.is_set():
+            self._sync_channels(conn)
             now = time.monotonic()
             if self.elect and not self._leader and now >= self._next_try:
                 if session.leader_try(conn):
@@ -267,14 +295,39 @@ class Notifier:
                 self._next_try = now + random.uniform(*self.lead_retry)
             wait = 1.0 if self._leader or not self.elect else max(
                 0.0, min(1.0, self._next_try - time.monotonic()))
+            if time.monotonic() - self._subscribed_at < 2.0:
+                # (a worker just subscribed: its channel is LISTENed on within 50 ms, and
+                # only then does it write its waiting row)
+                wait = min(wait, 0.05)
             for note in conn.notifies(timeout=wait):
                 self._dispatch(note.channel, note.payload)
             if conn.closed or conn.broken:
                 raise db.DatabaseUnavailable("the notifier's connection closed")
 
+    def _sync_channels(self, conn: psycopg.Connection) -> None:
+        """LISTEN on the channel of every subscription that has not got it yet on this
+        session, UNLISTEN those of the ones gone."""
+        with self._lock:
+            wanted = {sub.channel: sub for sub in self._subs}
+            listened = dict(self._listened)
+        missing = [sub for name, sub in wanted.items() if name not in listened]
+        for name in [name for name in listened if name not in wanted]:
+            session.listen_channel(conn, name, listen=False)
+            with self._lock:
+                self._listened.pop(name, None)
+        for sub in missing:
+            session.listen_channel(conn, sub.channel)
+            with self._lock:
+                self._listened[sub.channel] = sub
+            sub.listening.set()
+
     def _dispatch(self, channel: str, payload: str) -> None:
         self.stats["notes"] += 1
         now = time.monotonic()
+        named = self._listened.get(channel)
+        if named is not None:  # (a worker's own channel: only it is concerned)
+            named.hear_named(payload, now)
+            return
         if channel == "jobrunner_leader":
             if not self._leader:
                 # (spread, so that a fleet's candidates do not all try in the same instant)

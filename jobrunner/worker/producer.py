@@ -114,6 +114,7 @@ class Producer:
         # enqueue may wake by name) and no claim has taken it out since, and when.
         self._waiting = False
         self._entered_at = float("-inf")
+        self._entered_session = 0  # (the notifier's connects count then)
 
     # -- the claim loop ----------------------------------------------------------------
     def run(self) -> None:
@@ -182,7 +183,10 @@ class Producer:
         again within seconds anyway (no statement: the shorter sleep)."""
         cfg, sub = self.config, self.subscription
         self._quiet_mark = None
-        if sub is None or self.notifier is None or not self.notifier.connected.is_set():
+        if (sub is None or self.notifier is None or not self.notifier.connected.is_set()
+                or not sub.listening.is_set()):
+            # (no notifier yet, or not yet on its own channel: a note naming it would be
+            # lost, so it writes no waiting row and polls)
             return random.uniform(*cfg.idle_poll)
         now = time.monotonic()
         sub.clear_due(now)
@@ -242,13 +246,16 @@ class Producer:
         worker's waiting row in the same round trip: a worker looks only when it has
         nothing to claim, and an enqueue wakes the workers whose rows it finds by name
         (worker_waits.wake) rather than every listener of the batch."""
-        claim, sub = self.claim, self.subscription
+        claim, sub, notifier = self.claim, self.subscription, self.notifier
         now = time.monotonic()
         wait_id = None
-        if (sub is not None and self.notifier is not None
-                and self.notifier.connected.is_set()):
-            if sub.named_at >= self._entered_at:
-                self._waiting = False  # (a note named it: the enqueue took its row)
+        if (sub is not None and notifier is not None
+                and notifier.connected.is_set() and sub.listening.is_set()):
+            if (sub.named_at >= self._entered_at
+                    or notifier.stats["connects"] != self._entered_session):
+                # (a note named it: the enqueue took its row; or its notifier reconnected:
+                # a note that named it meanwhile was lost, with its row)
+                self._waiting = False
             # Written once, then refreshed every WAIT_REFRESH at most: its seen_at is what
             # keeps a live worker's row above a dead one's and clear of the sweep, and the
             # looks that a fleet's retries bring (each waiting worker looks once per
@@ -259,6 +266,7 @@ class Producer:
                                                    wait_id=wait_id), "next due")
         if wait_id is not None:
             self._waiting, self._entered_at = True, now
+            self._entered_session = notifier.stats["connects"]  # type: ignore[union-attr]
         return ahead
 
     def leave_wait(self, *, db_locked: bool = False) -> None:

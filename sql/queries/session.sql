@@ -50,11 +50,12 @@ LISTEN jobrunner_queue;
 LISTEN jobrunner_pool;
 
 -- name: session_listen_wake
--- Receive worker_wait_wake_*'s wake-ups (payload: "ID,ID,... batch ID" or "... pool NAME").
+-- Receive worker_wait_wake_*'s word to watchers that a batch or pool got work (payload:
+-- "batch ID" or "pool NAME"); its named workers were told on their own channels.
 LISTEN jobrunner_wake;
 
 -- name: session_listen_due
--- Receive task_retry_notify's retry times (payload: "IDS|* batch ID SECONDS" or "IDS|* pool NAME SECONDS").
+-- Receive task_retry_notify's retry times (payload: "batch ID SECONDS" or "pool NAME SECONDS").
 LISTEN jobrunner_due;
 
 -- name: session_listen_leader

@@ -1130,11 +1130,15 @@ LIMIT %(limit)s;
 --
 -- The retry is its own worker's to claim; the others only look for it a little after it
 -- is due, in case that worker is busy or gone. Two waiting workers of the target (the
--- most recently seen rows of agent_worker_wait) are named for that look, so a fleet of
--- 1,000 waiting pods does not send 1,000 looks per retry; with none waiting ("*"),
--- every listener of the target looks, as before. Payload: "IDS|* TARGET SECONDS".
+-- most recently seen rows of agent_worker_wait) are told, each on its own channel
+-- (jobrunner_wake_ID, payload "due TARGET SECONDS"; worker_wait_wake_batch says why), so
+-- a fleet of 1,000 waiting pods does not send 1,000 looks per retry; with none waiting,
+-- every listener of the target is (jobrunner_due, payload "TARGET SECONDS"), as before.
 SELECT n.target, n.seconds::float8 AS seconds,
-       pg_notify('jobrunner_due', coalesce(w.ids, '*') || ' ' || n.target || ' ' || n.seconds)
+       CASE WHEN w.ids IS NULL
+            THEN pg_notify('jobrunner_due', n.target || ' ' || n.seconds) END AS everyone,
+       (SELECT count(pg_notify('jobrunner_wake_' || i, 'due ' || n.target || ' ' || n.seconds))
+        FROM unnest(w.ids) i) AS named
 FROM (SELECT DISTINCT q.batch_id, q.pool,
              CASE WHEN q.pool IS NULL THEN 'batch ' || q.batch_id ELSE 'pool ' || q.pool END
                  AS target,
@@ -1144,7 +1148,7 @@ FROM (SELECT DISTINCT q.batch_id, q.pool,
       WHERE q.id = ANY(%(ids)s::bigint[]) AND q.status = 'pending'
         AND q.run_after > clock_timestamp()) n
 LEFT JOIN LATERAL (
-    SELECT string_agg(x.wait_id::text, ',') AS ids
+    SELECT array_agg(x.wait_id) AS ids
     FROM ((SELECT v.wait_id FROM agent_worker_wait v
            WHERE n.pool IS NULL AND v.batch_id = n.batch_id
            ORDER BY v.seen_at DESC LIMIT 2)

@@ -13,11 +13,18 @@ SET batch_id = EXCLUDED.batch_id, pool = EXCLUDED.pool, seen_at = now();
 DELETE FROM agent_worker_wait WHERE wait_id = %(wait_id)s;
 
 -- name: worker_wait_wake_batch
--- Take up to `count` of a batch's waiting workers (most recently seen first) and name
--- them in one note; the number taken (0: nobody waits, wake everyone instead).
+-- Take up to `count` of a batch's waiting workers (most recently seen first) and send
+-- each a note on its own channel; the number taken (0: nobody waits, wake everyone).
+--
+-- Each worker LISTENs on its own channel, jobrunner_wake_ID (worker_waits.channel), so
+-- only the named workers' connections receive anything: PostgreSQL (up to 18) signals
+-- every listening backend of the database on a notifying commit, but a backend passes
+-- on only the notes of channels its session listens to, so the rest of the fleet's
+-- clients are not woken at all. jobrunner_wake (payload: the target) tells the batch's
+-- watchers (the console) that it got work; no worker listens to it.
 --
 -- SKIP LOCKED: two concurrent enqueues take different workers. The rows stay locked
--- until the enqueue commits, which is when the note is delivered.
+-- until the enqueue commits, which is when the notes are delivered.
 WITH woken AS (
     DELETE FROM agent_worker_wait w
     WHERE w.wait_id IN (SELECT x.wait_id FROM agent_worker_wait x
@@ -26,12 +33,10 @@ WITH woken AS (
                         LIMIT %(count)s
                         FOR UPDATE SKIP LOCKED)
     RETURNING w.wait_id
-),
-ids AS (SELECT count(*) AS n, string_agg(wait_id::text, ',') AS list FROM woken)
-SELECT ids.n AS woken,
-       CASE WHEN ids.n > 0
-            THEN pg_notify('jobrunner_wake', ids.list || ' batch ' || %(batch_id)s) END AS note
-FROM ids;
+)
+SELECT count(pg_notify('jobrunner_wake_' || wait_id, 'batch ' || %(batch_id)s)) AS woken,
+       count(pg_notify('jobrunner_wake', 'batch ' || %(batch_id)s)) AS watched
+FROM woken;
 
 -- name: worker_wait_wake_pool
 -- As worker_wait_wake_batch, for a pool's waiting workers.
@@ -43,12 +48,10 @@ WITH woken AS (
                         LIMIT %(count)s
                         FOR UPDATE SKIP LOCKED)
     RETURNING w.wait_id
-),
-ids AS (SELECT count(*) AS n, string_agg(wait_id::text, ',') AS list FROM woken)
-SELECT ids.n AS woken,
-       CASE WHEN ids.n > 0
-            THEN pg_notify('jobrunner_wake', ids.list || ' pool ' || %(pool)s) END AS note
-FROM ids;
+)
+SELECT count(pg_notify('jobrunner_wake_' || wait_id, 'pool ' || %(pool)s)) AS woken,
+       count(pg_notify('jobrunner_wake', 'pool ' || %(pool)s)) AS watched
+FROM woken;
 
 -- name: worker_wait_sweep
 -- Delete the rows of workers not seen for ten minutes (dead without leaving; a live
