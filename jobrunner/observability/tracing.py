@@ -297,8 +297,7 @@ def start_attempt(lease: Claimed) -> Attempt:
         # no SamplingResult, no id generator calls.
         trace_id = _getrandbits(128) or _nonzero(128)
         if trace_id & _LOW_64 >= _bound:
-            span = trace.NonRecordingSpan(trace.SpanContext(
-                trace_id, _getrandbits(64) or _nonzero(64), False, _unsampled))
+            span = _Unsampled(trace_id, _getrandbits(64) or _nonzero(64))
             return Attempt(span, context.attach(trace.set_span_in_context(span)))
         # Sampled: the SDK starts it with that trace id (its sampler decides the same).
         pending = sdk.id_generator.pending
@@ -322,6 +321,28 @@ def start_attempt(lease: Claimed) -> Attempt:
         log.debug("task %s: its span's start was not recorded in full: %s", lease.key, exc)
     state._state = _attempt.set(state)
     return state
+
+
+class _Unsampled(trace.NonRecordingSpan):
+    """The span the SDK makes for a root span it drops (a NonRecordingSpan of its ids, not
+    sampled, not remote), whose SpanContext is made only when read: with a handler that
+    starts no span and makes no call, nothing reads it, and each line here is paid cold
+    on every unsampled attempt. (Both ids are drawn at once, so that two threads reading
+    it first at the same time make the same context.)"""
+
+    def __init__(self, trace_id: int, span_id: int) -> None:
+        self._ids = (trace_id, span_id)
+        self._made: trace.SpanContext | None = None
+
+    def get_span_context(self) -> trace.SpanContext:
+        made = self._made
+        if made is None:
+            made = self._made = trace.SpanContext(*self._ids, False, _unsampled)
+        return made
+
+    @property  # type: ignore[override]  # (NonRecordingSpan's attribute, which repr reads)
+    def _context(self) -> trace.SpanContext:
+        return self.get_span_context()
 
 
 def _nonzero(bits: int) -> int:
