@@ -282,19 +282,25 @@ def start_attempt(lease: Claimed) -> Attempt:
     it). The span links to the enqueue's stored context, which the claim returned with
     the lease (`lease.trace_context`): a sampled attempt sends no statement of its own.
 
-    An unsampled attempt (99 % of them at 1 % sampling) costs the sampler's decision and
-    the current span's switch, nothing more: no attributes but the sampler's, no parse of
-    its stored context, no event, nothing to end. Each line of Python on this path is
-    paid on every task, and cold: between two tasks the worker's caches hold the database
-    driver's and other processes' data, and the old path (a generator context manager, a
-    dozen attributes, a context variable, the end of a span that records nothing) cost
-    30-52 µs of worker CPU per task (bench/results/issue-32-tracing-cost.md)."""
+    An unsampled attempt (99 % of them at 1 % sampling) costs the sampling decision and
+    the current span's switch, nothing more: no parse of its stored context, no
+    attribute, no event, nothing to end. With configure()'s provider and the SDK's own
+    samplers the decision is made here, before the SDK's start_span, on a trace id drawn
+    as the SDK draws it (sampling.py); otherwise the SDK's start_span and its sampler
+    decide, given the four attributes a sampler may decide on. Each line of Python on
+    this path is paid on every task, and cold: between two tasks the worker's caches hold
+    the database driver's and other processes' data, and the old path (a generator
+    context manager, a dozen attributes, a context variable, the end of a span that
+    records nothing) cost 30-52 µs of worker CPU per task
+    (bench/results/issue-32-tracing-cost.md)."""
     sdk, pending = _sdk, None
     if sdk is not None and sdk._tracer_config.is_enabled:
         # Deciding first (use()): the trace id drawn as the SDK's RandomIdGenerator does,
         # the sampler's rule applied to it. Unsampled, the span is the one the SDK would
         # make (its ids, the flags of a dropped span), without the SDK: no sampler call,
-        # no SamplingResult, no id generator calls.
+        # no SamplingResult, no id generator calls. The sampler is not given the four
+        # attributes then: only samplers that ignore them (and the name, kind and links)
+        # are decided here (sampling.root_bound), so the decision is the one they make.
         trace_id = _getrandbits(128) or _nonzero(128)
         if trace_id & _LOW_64 >= _bound:
             span = _Unsampled(trace_id, _getrandbits(64) or _nonzero(64))
