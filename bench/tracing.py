@@ -9,12 +9,18 @@ OTEL_TRACES_SAMPLER=parentbased_traceidratio at 100 % and at 1 %. In the traced 
 the harness's enqueue is traced as well (same sampler), so sampled attempts link to
 their stored context as in production. Writes ``bench/results/tracing-cost.md`` and
 ``tracing-cost.json``.
+
+``--before DIR`` (an older tree's ``jobrunner/`` and ``sql/``, e.g. ``git archive main
+jobrunner sql | tar -x -C DIR``, with the same schema as this one) adds the same three
+variants with that tree's workers, interleaved in the same repetitions: both trees' cost
+in one run, each paired with its own `off`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
@@ -35,9 +41,9 @@ class Traced(Jobrunner):
     """The same workers with the OTEL_* environment of `ratio` sampling into `jaeger`."""
 
     def __init__(self, server: env.Server, jaeger: Jaeger | None, ratio: float,
-                 name: str) -> None:
+                 name: str, tree: Path | None = None) -> None:
         super().__init__(server)
-        self.jaeger, self.ratio, self.label = jaeger, ratio, name
+        self.jaeger, self.ratio, self.label, self.tree = jaeger, ratio, name, tree
 
     def _env(self) -> dict[str, str]:
         if self.jaeger is None:
@@ -47,7 +53,14 @@ class Traced(Jobrunner):
                                     OTEL_TRACES_SAMPLER_ARG=str(self.ratio))
 
     def worker(self, batch_size: int, log: Path | None = None):
-        return env.spawn(self.worker_args(batch_size), log=log, env=env.child_env(**self._env()))
+        if self.tree is None:
+            return env.spawn(self.worker_args(batch_size), log=log,
+                             env=env.child_env(**self._env()))
+        # (as bench.compare's: `python -m` from the tree imports its jobrunner first;
+        # bench.handlers comes from this checkout)
+        pythonpath = os.pathsep.join([str(self.tree), str(env.REPO)])
+        return env.spawn(self.worker_args(batch_size), log=log, cwd=self.tree,
+                         env=env.child_env(PYTHONPATH=pythonpath, **self._env()))
 
     def enqueue(self, n: int) -> None:
         if self.jaeger is None:
@@ -77,19 +90,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--out", type=Path, default=env.REPO / "bench" / "results")
+    parser.add_argument("--before", type=Path, help="another tree's workers as well")
+    parser.add_argument("--label", default="before", help="what DIR is, for the table")
     args = parser.parse_args(argv)
+    if args.before is not None:
+        args.before = args.before.resolve()
+        if not (args.before / "jobrunner" / "worker" / "process.py").exists():
+            parser.error(f"{args.before} has no jobrunner/worker/process.py")
+        # (one database for both: this tree's enqueue and schema)
+        if _sql(args.before / "sql") != _sql(env.REPO / "sql"):
+            parser.error(f"{args.before}/sql differs from this tree's: not one schema")
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # clean up
     server = env.Server()
     server.start()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     load_before = env.load()
     runs = []
-    labels = ("off", "on, 100 %", "on, 1 %")
+    labels: tuple[str, ...] = ("off", "on, 100 %", "on, 1 %")
+    if args.before is not None:
+        labels += tuple(f"{args.label}: {label}" for label in labels)
     try:
         with tempfile.TemporaryDirectory() as tmp, Jaeger(Path(tmp)) as jaeger:
             systems = [Traced(server, None, 0.0, labels[0]),
                        Traced(server, jaeger, 1.0, labels[1]),
                        Traced(server, jaeger, 0.01, labels[2])]
+            if args.before is not None:
+                systems += [Traced(server, None, 0.0, labels[3], args.before),
+                            Traced(server, jaeger, 1.0, labels[4], args.before),
+                            Traced(server, jaeger, 0.01, labels[5], args.before)]
             systems[0].setup()
             for rep in range(args.reps):
                 # (the order rotates: a fixed one always ran 1 % right after 100 %, while
@@ -99,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                     for batch in (1, 10):
                         r = measure(server, system, args.workers, batch, args.tasks, 60)
                         runs.append({**r.as_dict(), "variant": system.label, "rep": rep})
-                        print(f"  {system.label:>10} b{batch:<2}: {r.rate:8.1f}/s  worker "
+                        print(f"  {system.label:>18} b{batch:<2}: {r.rate:8.1f}/s  worker "
                               f"{r.worker_cpu_s / max(1, r.done) * 1e6:.0f} us/task",
                               flush=True)
     finally:
@@ -119,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
         for label in labels:
             rs = [r for r in runs if r["variant"] == label and r["batch"] == batch]
             # paired: each repetition's rate over the same repetition's rate with tracing off
-            ratios = [of(label, rep)["rate"] / of("off", rep)["rate"]
+            off = label.rsplit(": ", 1)[0] + ": off" if ": " in label else "off"
+            ratios = [of(label, rep)["rate"] / of(off, rep)["rate"]
                       for rep in range(args.reps)]
             worker = statistics.median(r["worker_cpu_s"] / r["done"] * 1e6 for r in rs)
             rows.append([label, batch, spread([r["rate"] for r in rs]),
@@ -131,11 +160,17 @@ def main(argv: list[str] | None = None) -> None:
         f"{' '.join(f'{x:.2f}' for x in load_before)}, after "
         f"{' '.join(f'{x:.2f}' for x in meta['load_after'])}. {args.workers} worker "
         f"processes, {args.tasks:,} no-op tasks, median of {args.reps} (min-max); the ratio "
-        "is each repetition's rate over the same repetition's rate with tracing off.\n",
+        "is each repetition's rate over the same repetition's rate with tracing off"
+        + (f" (`{args.label}`: {args.before}'s workers, over their own off)"
+           if args.before is not None else "") + ".\n",
         table(["tracing", "claim batch", "tasks/s", "rate / off", "worker µs/task"], rows)
         + "\n"])
     (args.out / "tracing-cost.md").write_text(text)
     print(text)
+
+
+def _sql(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.sql"))}
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import contextvars
 import json
 import logging
 import os
+import random
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -73,7 +74,11 @@ def configure(service_name: str, *, force: bool = False) -> bool:
         span_exporter = OTLPSpanExporter()  # endpoint, headers, timeout: OTEL_EXPORTER_OTLP_*
     # (OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over the default name)
     resource = Resource.create({SERVICE_NAME: env.get("OTEL_SERVICE_NAME") or service_name})
-    provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER(_ARG)
+    from jobrunner.observability.sampling import PresetTraceIds
+
+    # (sampler: OTEL_TRACES_SAMPLER(_ARG); the ids: the SDK's random ones, which
+    # start_attempt may choose beforehand)
+    provider = TracerProvider(resource=resource, id_generator=PresetTraceIds())
     provider.add_span_processor(BatchSpanProcessor(span_exporter))
     trace.set_tracer_provider(provider)
     use(provider)
@@ -82,12 +87,46 @@ def configure(service_name: str, *, force: bool = False) -> bool:
 
 def use(provider: trace.TracerProvider | None) -> None:
     """Trace with `provider` (None: off). configure() calls it; tests call it directly."""
-    global _enabled, _tracer
+    global _enabled, _tracer, _sdk, _bound, _unsampled
+    _enabled, _sdk = False, None
     if provider is None:
-        _enabled, _tracer = False, trace.NoOpTracer()
+        _tracer = trace.NoOpTracer()
         return
     _tracer = provider.get_tracer("jobrunner")
+    first = _deciding_first(_tracer)
+    if first is not None:
+        _sdk, _bound, _unsampled = _tracer, *first
     _enabled = True
+
+
+def _deciding_first(tracer: trace.Tracer) -> tuple[int, trace.TraceFlags] | None:
+    """Whether start_attempt can decide an attempt's sampling before the SDK's start_span
+    (jobrunner/observability/sampling.py): the bound of its sampler's rule and an unsampled
+    span's flags, or None (then every attempt is the SDK's start_span, as any span)."""
+    try:
+        from opentelemetry.sdk.trace import Tracer
+
+        from jobrunner.observability.sampling import PresetTraceIds, root_bound
+    except ImportError:
+        return None
+    if not isinstance(tracer, Tracer) or not isinstance(tracer.id_generator, PresetTraceIds):
+        return None  # (a provider of someone else's: its ids are its own)
+    if not hasattr(tracer, "_tracer_config"):
+        return None  # (an SDK this was not written against: whether it is on is unknown)
+    # The SDK's own metrics (OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED) count every span
+    # started, the dropped ones too: with them on, each attempt is the SDK's.
+    metrics = getattr(tracer, "_tracer_metrics", None)
+    if metrics is not None and type(metrics).__name__ != "NoOpTracerMetrics":
+        return None
+    bound = root_bound(tracer.sampler)
+    if bound is None:
+        return None
+    # (the flags the SDK gives a span it drops: not sampled, and its random trace id flag
+    # when the ids say so, as they do)
+    flags = trace.TraceFlags.DEFAULT
+    if getattr(tracer.id_generator, "is_trace_id_random", lambda: False)():
+        flags |= getattr(trace.TraceFlags, "RANDOM_TRACE_ID", 0)
+    return bound, trace.TraceFlags(flags)
 
 
 def shutdown(timeout_s: float = 5.0) -> None:
@@ -213,6 +252,13 @@ class Claimed(Protocol):
 
 
 _ROOT = context.Context()  # (no parent: each attempt's span starts a trace of its own)
+# Deciding first (use()): the SDK's tracer when its sampler's rule for a root span is a
+# bound on the trace id's 64 low bits, which start_attempt then applies itself.
+_sdk: Any = None
+_bound = 0
+_unsampled = trace.TraceFlags(trace.TraceFlags.DEFAULT)
+_LOW_64 = (1 << 64) - 1  # (sampling.LOW_64: that module needs the SDK)
+_getrandbits = random.getrandbits  # (the SDK's RandomIdGenerator's source)
 _attempt: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar(
     "jobrunner_attempt", default=None)
 # The attributes a sampler is given (the messaging conventions' ones a sampler may decide
@@ -236,18 +282,41 @@ def start_attempt(lease: Claimed) -> Attempt:
     it). The span links to the enqueue's stored context, which the claim returned with
     the lease (`lease.trace_context`): a sampled attempt sends no statement of its own.
 
-    An unsampled attempt (99 % of them at 1 % sampling) costs the sampler's decision and
-    the current span's switch, nothing more: no attributes but the sampler's, no parse of
-    its stored context, no event, nothing to end. Each line of Python on this path is
-    paid on every task, and cold: between two tasks the worker's caches hold the database
-    driver's and other processes' data, and the old path (a generator context manager, a
-    dozen attributes, a context variable, the end of a span that records nothing) cost
-    30-52 µs of worker CPU per task (bench/results/issue-32-tracing-cost.md)."""
-    # A new root: an attempt is not part of its enqueue's trace (it would keep that trace
-    # open for hours), it links to it.
-    span = _tracer.start_span("process", context=_ROOT, kind=SpanKind.CONSUMER,
-                              attributes=_for_sampler(lease.batch_id),
-                              record_exception=False, set_status_on_exception=False)
+    An unsampled attempt (99 % of them at 1 % sampling) costs the sampling decision and
+    the current span's switch, nothing more: no parse of its stored context, no
+    attribute, no event, nothing to end. With configure()'s provider and the SDK's own
+    samplers the decision is made here, before the SDK's start_span, on a trace id drawn
+    as the SDK draws it (sampling.py); otherwise the SDK's start_span and its sampler
+    decide, given the four attributes a sampler may decide on. Each line of Python on
+    this path is paid on every task, and cold: between two tasks the worker's caches hold
+    the database driver's and other processes' data, and the old path (a generator
+    context manager, a dozen attributes, a context variable, the end of a span that
+    records nothing) cost 30-52 µs of worker CPU per task
+    (bench/results/issue-32-tracing-cost.md)."""
+    sdk, pending = _sdk, None
+    if sdk is not None and sdk._tracer_config.is_enabled:
+        # Deciding first (use()): the trace id drawn as the SDK's RandomIdGenerator does,
+        # the sampler's rule applied to it. Unsampled, the span is the one the SDK would
+        # make (its ids, the flags of a dropped span), without the SDK: no sampler call,
+        # no SamplingResult, no id generator calls. The sampler is not given the four
+        # attributes then: only samplers that ignore them (and the name, kind and links)
+        # are decided here (sampling.root_bound), so the decision is the one they make.
+        trace_id = _getrandbits(128) or _nonzero(128)
+        if trace_id & _LOW_64 >= _bound:
+            span = _Unsampled(trace_id, _getrandbits(64) or _nonzero(64))
+            return Attempt(span, context.attach(trace.set_span_in_context(span)))
+        # Sampled: the SDK starts it with that trace id (its sampler decides the same).
+        pending = sdk.id_generator.pending
+        pending.trace_id = trace_id
+    try:
+        # A new root: an attempt is not part of its enqueue's trace (it would keep that
+        # trace open for hours), it links to it.
+        span = _tracer.start_span("process", context=_ROOT, kind=SpanKind.CONSUMER,
+                                  attributes=_for_sampler(lease.batch_id),
+                                  record_exception=False, set_status_on_exception=False)
+    finally:
+        if pending is not None:
+            pending.trace_id = 0  # (taken by the SDK; or not, if it raised)
     current = context.attach(trace.set_span_in_context(span))
     if not span.is_recording():
         return Attempt(span, current)
@@ -258,6 +327,36 @@ def start_attempt(lease: Claimed) -> Attempt:
         log.debug("task %s: its span's start was not recorded in full: %s", lease.key, exc)
     state._state = _attempt.set(state)
     return state
+
+
+class _Unsampled(trace.NonRecordingSpan):
+    """The span the SDK makes for a root span it drops (a NonRecordingSpan of its ids, not
+    sampled, not remote), whose SpanContext is made only when read: with a handler that
+    starts no span and makes no call, nothing reads it, and each line here is paid cold
+    on every unsampled attempt. (Both ids are drawn at once, so that two threads reading
+    it first at the same time make the same context.)"""
+
+    def __init__(self, trace_id: int, span_id: int) -> None:
+        self._ids = (trace_id, span_id)
+        self._made: trace.SpanContext | None = None
+
+    def get_span_context(self) -> trace.SpanContext:
+        made = self._made
+        if made is None:
+            made = self._made = trace.SpanContext(*self._ids, False, _unsampled)
+        return made
+
+    @property  # type: ignore[override]  # (NonRecordingSpan's attribute, which repr reads)
+    def _context(self) -> trace.SpanContext:
+        return self.get_span_context()
+
+
+def _nonzero(bits: int) -> int:
+    """A random id of `bits` bits other than 0 (an invalid id), as the SDK draws them."""
+    while True:
+        value = _getrandbits(bits)
+        if value:
+            return value
 
 
 def _record_start(state: Attempt, lease: Claimed) -> None:
