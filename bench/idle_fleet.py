@@ -193,14 +193,21 @@ def _steady(monitor: psycopg.Connection, db: str, timeout: float = 300) -> int:
 
 
 def server_cores(server: env.Server, monitor_pid: int, window: float,
-                 bouncer: Bouncer | None) -> tuple[float, float]:
+                 bouncer: Bouncer | None, procs: list | None = None
+                 ) -> tuple[float, float, float]:
+    """Cores used over `window` by the server, PgBouncer and the fleet's own processes
+    (`procs`: the pods' CPU on their side, which a real fleet spends on its nodes)."""
     exclude = frozenset({monitor_pid})
-    cpu0, b0, t0 = server.cpu_seconds(exclude), bouncer.cpu() if bouncer else 0.0, \
-        time.monotonic()
+
+    def fleet() -> float:
+        return sum(env.tree_cpu(p.pid) for p in procs or [])
+
+    cpu0, b0, f0, t0 = (server.cpu_seconds(exclude), bouncer.cpu() if bouncer else 0.0,
+                        fleet(), time.monotonic())
     time.sleep(window)
     dt = time.monotonic() - t0
     return ((server.cpu_seconds(exclude) - cpu0) / dt,
-            ((bouncer.cpu() - b0) / dt) if bouncer else 0.0)
+            ((bouncer.cpu() - b0) / dt) if bouncer else 0.0, (fleet() - f0) / dt)
 
 
 # Seconds between wake-up samples. "waiting": longer than a worker's fast polls after a
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         with psycopg.connect(server.admin_dsn, autocommit=True) as monitor:
             monitor_pid = monitor.execute("SELECT pg_backend_pid()").fetchone()[0]
             for rep in range(args.reps):
-                base, _ = server_cores(server, monitor_pid, args.window, None)
+                base, _, _ = server_cores(server, monitor_pid, args.window, None)
                 runs.append({"kind": "baseline", "rep": rep, "server_cores": base})
                 print(f"baseline: {base:.4f} cores", flush=True)
                 for pods in sizes:
@@ -322,12 +329,13 @@ def main(argv: list[str] | None = None) -> None:
                                            f"{fleet.label} pods")
                             backends = _steady(monitor, fleet.db)
                             time.sleep(args.settle)
-                            cores, bouncer_cores = server_cores(
+                            cores, bouncer_cores, fleet_cores = server_cores(
                                 server, monitor_pid, args.window,
-                                bouncer if fleet.pooled else None)
+                                bouncer if fleet.pooled else None, procs)
                             run = {"kind": "idle", "system": fleet.label, "pods": pods,
                                    "rep": rep, "server_cores": cores, "baseline": base,
                                    "pgbouncer_cores": bouncer_cores,
+                                   "fleet_cores": fleet_cores,
                                    "backends": _backends(monitor, fleet.db),
                                    "backends_steady": backends,
                                    "pgbouncer_clients": bouncer.clients()
@@ -344,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
                             runs.append(run)
                             per = (cores - base) / pods * 1000
                             print(f"{fleet.label:>14} {pods:5d} pods: {cores:.4f} cores "
-                                  f"({per:.4f} ms/s per pod), {run['backends']} backends, "
+                                  f"({per:.4f} ms/s per pod; the pods' own "
+                                  f"{fleet_cores:.3f} cores), {run['backends']} backends, "
                                   f"{run['pgbouncer_clients']} bouncer clients"
                                   + (f", wake p50 {pct(run['wake_ms'], 50):.1f} ms p99 "
                                      f"{pct(run['wake_ms'], 99):.1f} ms (busy fleet p50 "
@@ -380,6 +389,13 @@ def _med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _fleet_per_pod(rs: list[dict], pods: int) -> str:
+    """The pods' own CPU while waiting (their processes, ms per second per pod): what a
+    waiting fleet costs its nodes, beside what it costs the server."""
+    per = [r["fleet_cores"] / pods * 1000 for r in rs if "fleet_cores" in r]
+    return f"{_med(per):.3f}" if per else "-"
+
+
 def report(meta: dict, runs: list[dict], sizes: list[int], labels: list[str],
            before: str, before_listen: bool = False) -> str:
     idle = [r for r in runs if r["kind"] == "idle"]
@@ -396,6 +412,7 @@ def report(meta: dict, runs: list[dict], sizes: list[int], labels: list[str],
             rows.append([label, pods, f"{_med(per):.4f} ({min(per):.4f}-{max(per):.4f})",
                          f"{_med([r['server_cores'] for r in rs]):.3f}",
                          f"{_med([r['pgbouncer_cores'] for r in rs]):.3f}",
+                         _fleet_per_pod(rs, pods),
                          int(_med([r["backends"] for r in rs])),
                          int(_med([r["pgbouncer_clients"] for r in rs]))])
     for row in rows:
@@ -431,8 +448,8 @@ def report(meta: dict, runs: list[dict], sizes: list[int], labels: list[str],
         "(bench/fleet_child.py), each with its own "
         "connections, threads and timers.\n",
         table(["system", "pods", "server ms/s per waiting pod", "server cores",
-               "PgBouncer cores", "server connections", "PgBouncer clients",
-               "per pod vs this tree"], rows) + "\n",
+               "PgBouncer cores", "pods' own ms/s per waiting pod", "server connections",
+               "PgBouncer clients", "per pod vs this tree"], rows) + "\n",
         "Wake-up: a task enqueued -> its handler's start (ms), with every pod waiting "
         f"(enqueues {WAKE_GAPS['waiting'][0]:.0f}-{WAKE_GAPS['waiting'][1]:.0f} s apart) and, "
         "as a second figure, with the fleet still busy with the previous enqueue's "

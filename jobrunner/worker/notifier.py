@@ -48,6 +48,7 @@ import logging
 import math
 import os
 import random
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -299,10 +300,20 @@ class Notifier:
                 # (a worker just subscribed: its channel is LISTENed on within 50 ms, and
                 # only then does it write its waiting row)
                 wait = min(wait, 0.05)
-            for note in conn.notifies(timeout=wait):
-                self._dispatch(note.channel, note.payload)
+            # What the statements above received first (psycopg keeps notes that come
+            # with other results), then a wait on the socket itself: psycopg's
+            # notifies(timeout=...) wakes every 0.1 s to look for signals, and every
+            # waiting pod's notifier did so 10 times a second for nothing (1,000 pods on
+            # one host: 10,000 wake-ups a second; bench/results/idle-fleet.md, stop 43).
+            self._drain(conn)
+            select.select([conn.fileno()], [], [], wait)
+            self._drain(conn)
             if conn.closed or conn.broken:
                 raise db.DatabaseUnavailable("the notifier's connection closed")
+
+    def _drain(self, conn: psycopg.Connection) -> None:
+        for note in conn.notifies(timeout=0):
+            self._dispatch(note.channel, note.payload)
 
     def _sync_channels(self, conn: psycopg.Connection) -> None:
         """LISTEN on the channel of every subscription that has not got it yet on this
