@@ -11,8 +11,7 @@ from jobrunner.store.session import Mode, Session, Statement, Step, run
 
 ENTER = Statement("worker_wait_enter", Mode.ROUND_TRIP)
 LEAVE = Statement("worker_wait_leave", Mode.ROUND_TRIP)
-WAKE_BATCH = Statement("worker_wait_wake_batch")
-WAKE_POOL = Statement("worker_wait_wake_pool")
+WAKE = Statement("worker_wait_wake")
 SWEEP = Statement("worker_wait_sweep")
 POOL_NOTIFY = Statement("pool_notify")
 
@@ -50,11 +49,8 @@ def wake(conn: psycopg.Connection, count: int, *, batch_id: str | None = None,
     want = count + SPARE
     woken = 0
     if want <= MOST:
-        if pool is None:
-            woken = run(conn, WAKE_BATCH, {"batch_id": batch_id, "count": want}
-                        ).fetchone()["woken"]
-        else:
-            woken = run(conn, WAKE_POOL, {"pool": pool, "count": want}).fetchone()["woken"]
+        woken = run(conn, WAKE, {"batch_id": batch_id, "pool": pool, "count": want}
+                    ).fetchone()["woken"]
     if not woken:
         if pool is None:
             batches.notify(conn, batch_id)  # type: ignore[arg-type]

@@ -1131,7 +1131,7 @@ LIMIT %(limit)s;
 -- The retry is its own worker's to claim; the others only look for it a little after it
 -- is due, in case that worker is busy or gone. Two waiting workers of the target (the
 -- most recently seen rows of agent_worker_wait) are told, each on its own channel
--- (jobrunner_wake_ID, payload "due TARGET SECONDS"; worker_wait_wake_batch says why), so
+-- (jobrunner_wake_ID, payload "due TARGET SECONDS"; worker_wait_wake says why), so
 -- a fleet of 1,000 waiting pods does not send 1,000 looks per retry; with none waiting,
 -- every listener of the target is (jobrunner_due, payload "TARGET SECONDS"), as before.
 SELECT n.target, n.seconds::float8 AS seconds,
