@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+import psycopg
+
 from jobrunner.features.reduce import drain_open
 from jobrunner.features.workerpools import pool_open
 from jobrunner.model.types import Lease, Outcome
@@ -115,6 +117,7 @@ class Producer:
         self._waiting = False
         self._entered_at = float("-inf")
         self._entered_session = 0  # (the notifier's connects count then)
+        self._may_wait = True  # (False once its role was refused a waiting row)
 
     # -- the claim loop ----------------------------------------------------------------
     def run(self) -> None:
@@ -249,7 +252,7 @@ class Producer:
         claim, sub, notifier = self.claim, self.subscription, self.notifier
         now = time.monotonic()
         wait_id = None
-        if (sub is not None and notifier is not None
+        if (self._may_wait and sub is not None and notifier is not None
                 and notifier.connected.is_set() and sub.listening.is_set()):
             if (sub.named_at >= self._entered_at
                     or notifier.stats["connects"] != self._entered_session):
@@ -262,8 +265,21 @@ class Producer:
             # retry) need not each rewrite it.
             if not self._waiting or now - self._entered_at >= WAIT_REFRESH:
                 wait_id = sub.wait_id
-        ahead = self.conn.run(lambda q: q.next_due(claim.batch_id, claim.pool,
-                                                   wait_id=wait_id), "next due")
+        try:
+            ahead = self.conn.run(lambda q: q.next_due(claim.batch_id, claim.pool,
+                                                       wait_id=wait_id), "next due")
+        except psycopg.errors.InsufficientPrivilege:
+            if wait_id is None:
+                raise
+            # A pool worker whose login role is bound to tenants: a pool's row has no
+            # batch, so the tenants' row policy refuses it (docs/security.md). It waits
+            # without one: notes to every listener of the pool wake it, as before.
+            log.info("worker %s: its role may not write a waiting row (tenant-bound pool "
+                     "worker); it is woken by the pool's notes to every worker",
+                     claim.worker_id)
+            self._may_wait, wait_id = False, None
+            ahead = self.conn.run(lambda q: q.next_due(claim.batch_id, claim.pool),
+                                  "next due")
         if wait_id is not None:
             self._waiting, self._entered_at = True, now
             self._entered_session = notifier.stats["connects"]  # type: ignore[union-attr]
