@@ -96,8 +96,9 @@ def listen(conn: psycopg.Connection, pools: bool) -> None:
 
 
 def listen_wakes(conn: psycopg.Connection) -> None:
-    """Subscribe an autocommit connection to the enqueues that woke waiting workers by
-    name (worker_waits.wake): they send no note to everyone."""
+    """Subscribe an autocommit connection (the console's) to the word that a batch or
+    pool got work whose notes went only to the waiting workers it named
+    (worker_waits.wake): jobrunner_queue and jobrunner_pool do not hear of it."""
     conn.execute(LISTEN_WAKE.sql)
 
 

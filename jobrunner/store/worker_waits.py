@@ -18,8 +18,8 @@ POOL_NOTIFY = Statement("pool_notify")
 # One waiting worker more than the new tasks: a row may be a dead worker's (it sinks
 # below the live ones within a fallback poll, but until then it takes a wake-up).
 SPARE = 1
-# Past this many, a note naming every worker would be long (ids of up to 20 characters,
-# and PostgreSQL's 8,000-byte payload), and most of the fleet is wanted anyway: everyone.
+# Past this many, one note to every listener costs less than a note per named worker
+# (each its own channel and signal), and most of a fleet is wanted anyway: everyone.
 MOST = 100
 
 
@@ -43,9 +43,9 @@ def wake(conn: psycopg.Connection, count: int, *, batch_id: str | None = None,
          pool: str | None = None) -> int:
     """In an enqueue's transaction: wake the waiting workers of a batch or a pool for
     `count` new tasks. Up to count + SPARE of them are told, each on its own channel
-    (channel()), and only they claim; with nobody waiting, or more than MOST wanted, every listener
-    of the batch or pool is woken (jobrunner_queue, jobrunner_pool), as before. Returns
-    how many were named (0: everyone was woken)."""
+    (channel()), and only they claim; with nobody waiting, or more than MOST wanted,
+    every listener of the batch or pool is woken (jobrunner_queue, jobrunner_pool), as
+    before. Returns how many were named (0: everyone was woken)."""
     want = count + SPARE
     woken = 0
     if want <= MOST:

@@ -124,17 +124,10 @@ class Subscription:
         """A note on its own channel: an enqueue took its row ("batch ID", "pool NAME"),
         or a retry it is one of the two to look for ("due TARGET SECONDS")."""
         if payload.startswith("due "):
-            target, _, seconds = payload[4:].rpartition(" ")
-            if target == self.target:
-                try:
-                    self.backup(now + max(0.0, float(seconds)))
-                except ValueError:
-                    pass
+            self._heard_due(payload[4:], now)
         elif payload == self.target:
-            self.noted_at = self.named_at = now
-            if self.pool is not None:
-                self.rescan.set()
-            self.wake.set()
+            self.named_at = now
+            self._noted(now)
 
     def due_in(self, now: float) -> float:
         """Seconds until the earliest retry this worker was told of (inf: none)."""
@@ -176,16 +169,25 @@ class Subscription:
                 self.wake.set()
         elif channel == "jobrunner_pool":
             if self.pool is not None and payload == self.pool:
-                self.noted_at = now
-                self.rescan.set()
-                self.wake.set()
+                self._noted(now)
         elif channel == "jobrunner_due":
-            target, _, seconds = payload.rpartition(" ")
-            if target == self.target:
-                try:
-                    self.backup(now + max(0.0, float(seconds)))
-                except ValueError:
-                    pass
+            self._heard_due(payload, now)
+
+    def _noted(self, now: float) -> None:
+        """New work of its pool or batch: claim (a pool's from the start of its scan)."""
+        self.noted_at = now
+        if self.pool is not None:
+            self.rescan.set()
+        self.wake.set()
+
+    def _heard_due(self, text: str, now: float) -> None:
+        """A retry time, "TARGET SECONDS": look for it a little after, if it is ours."""
+        target, _, seconds = text.rpartition(" ")
+        if target == self.target:
+            try:
+                self.backup(now + max(0.0, float(seconds)))
+            except ValueError:
+                pass
 
 
 class Notifier:
