@@ -15,6 +15,84 @@ CREATE TYPE public.jobrunner_admission AS (
 	clock timestamp with time zone
 );
 
+CREATE FUNCTION public.agent_worker_wait_can_ring() RETURNS boolean
+    LANGUAGE sql STABLE SECURITY DEFINER
+    SET search_path TO '$user', 'public'
+    AS $$
+SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+    OR pg_has_role(current_user, session_user, 'MEMBER')
+    OR (pg_has_role(current_user, 'pg_signal_backend', 'MEMBER')
+        AND NOT (SELECT rolsuper FROM pg_roles WHERE rolname = session_user))
+$$;
+
+CREATE FUNCTION public.agent_worker_wait_ring(p_ids bigint[], p_pids integer[], p_note text) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO '$user', 'public'
+    AS $$
+DECLARE
+    asleep integer[] := '{}';
+    k integer;
+    n integer := 0;
+BEGIN
+    FOR i IN 1 .. coalesce(cardinality(p_ids), 0) LOOP
+        k := jobrunner_wait_key(p_ids[i]);
+        PERFORM pg_advisory_xact_lock_shared(1246970230, k);
+        IF pg_try_advisory_xact_lock(1246970231, k) OR p_pids[i] IS NULL THEN
+            PERFORM pg_notify('jobrunner_wake_' || p_ids[i], p_note);
+        ELSE
+            asleep := asleep || i;
+        END IF;
+        n := n + 1;
+    END LOOP;
+    IF cardinality(asleep) > 0 THEN
+        FOR k IN
+            SELECT l.pid FROM pg_locks l, unnest(asleep) i
+            WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+              AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+              AND l.classid = 1246970231 AND l.objid = jobrunner_wait_key(p_ids[i])::oid
+              AND l.pid = p_pids[i]
+        LOOP
+            BEGIN
+                PERFORM pg_cancel_backend(k);
+            EXCEPTION WHEN insufficient_privilege THEN
+                NULL;  -- (can_ring said no to that session: it LISTENs and polls instead)
+            END;
+        END LOOP;
+    END IF;
+    RETURN n;
+END
+$$;
+
+CREATE FUNCTION public.agent_worker_wait_sleep(p_ids bigint[], p_seconds double precision) RETURNS bigint[]
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    gone bigint[];
+    i bigint;
+BEGIN
+    -- Wait for the ringers still in their transaction, without keeping RUNG: a block
+    -- rolled back gives back the locks it took. One key at a time, so that it never
+    -- holds one while it waits for another (a ringer of several rows holds some).
+    FOREACH i IN ARRAY p_ids LOOP
+        BEGIN
+            PERFORM pg_advisory_xact_lock(1246970230, jobrunner_wait_key(i));
+            RAISE SQLSTATE 'JRW01';
+        EXCEPTION WHEN SQLSTATE 'JRW01' THEN
+            NULL;
+        END;
+    END LOOP;
+    PERFORM pg_advisory_xact_lock_shared(1246970231, jobrunner_wait_key(x))
+    FROM unnest(p_ids) x;
+    SELECT array_agg(x) INTO gone FROM unnest(p_ids) x
+    WHERE NOT EXISTS (SELECT 1 FROM agent_worker_wait w WHERE w.wait_id = x);
+    IF gone IS NOT NULL OR p_seconds <= 0 THEN
+        RETURN coalesce(gone, '{}');
+    END IF;
+    PERFORM pg_sleep(p_seconds);
+    RETURN '{}';
+END
+$$;
+
 CREATE FUNCTION public.jobrunner_batch_settled(p_batch_id text, p_on_dead text) RETURNS boolean
     LANGUAGE sql STABLE
     AS $$
@@ -332,6 +410,10 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION public.jobrunner_wait_key(p_wait_id bigint) RETURNS integer
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$ SELECT (p_wait_id & 2147483647)::integer $$;
+
 CREATE TABLE public.agent_batch (
     batch_id text NOT NULL,
     tenant_id text NOT NULL,
@@ -629,6 +711,7 @@ CREATE UNLOGGED TABLE public.agent_worker_wait (
     batch_id text,
     pool text,
     seen_at timestamp with time zone DEFAULT now() NOT NULL,
+    pid integer,
     CONSTRAINT agent_worker_wait_check CHECK (((batch_id IS NULL) <> (pool IS NULL)))
 );
 

@@ -61,10 +61,22 @@ def _granted_on_an_older_schema(install: Install) -> None:
         for kind, t in later:
             conn.execute(sql.SQL("CREATE {} {}" + (" ()" if kind == "TABLE" else "")).format(
                 sql.SQL(kind), sql.Identifier(t)))
+        # (and a function a later migration makes, as a stub of its signature)
+        functions = re.search(r"REVOKE ALL ON FUNCTION(.*?)\sFROM", text, re.S).group(1)
+        stubs = [sql.SQL("{}({})").format(sql.Identifier(name), sql.SQL(args))
+                 for name, args in re.findall(r"(\w+)\(([^)]*)\)", functions)
+                 if conn.execute("SELECT to_regprocedure(%s) IS NULL",
+                                 (f"{name}({args})",)).fetchone()[0]]
+        for stub in stubs:
+            conn.execute(sql.SQL("CREATE FUNCTION {} RETURNS void LANGUAGE sql AS ''").format(
+                stub))
         roles.grant(conn, install.prefix)
         for kind, t in later:
             conn.execute(sql.SQL("DROP {} {}").format(sql.SQL(kind), sql.Identifier(t)))
         conn.commit()
+    with psycopg.connect(install.admin_dsn) as conn:  # (grant gave them to the owner role)
+        for stub in stubs:
+            conn.execute(sql.SQL("DROP FUNCTION {}").format(stub))
 
 
 def _login(install: Install, component: str, tenants: tuple[str, ...] = (),

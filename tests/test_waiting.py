@@ -31,6 +31,7 @@ from jobrunner.queue.client import Queue
 from jobrunner.store import console as console_store
 from jobrunner.store import flowcontrol as limits
 from jobrunner.store import tasks as task_store
+from jobrunner.store import worker_waits
 from jobrunner.worker import notifier as notifier_mod
 from jobrunner.worker.config import WorkerConfig
 from jobrunner.worker.process import Worker
@@ -47,9 +48,11 @@ TAKEOVER_BOUND = 7.0
 
 LEADER = """
 SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.granted
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 """
+# (objsubid 1: a lock on one bigint key, as the leadership's; the sleeping notifiers'
+# ASLEEP locks and the shards' take two int keys, objsubid 2: migration 0031)
 
 
 def _one(conn, sql: str, *args):
@@ -520,10 +523,14 @@ def test_a_note_whose_work_others_took_costs_a_waiting_worker_a_claim_and_a_look
         wait_for(lambda: worker.notifier is not None and worker.notifier.connected.is_set(),
                  what="the worker's notifier")
         time.sleep(2.5)  # past its start's claims and their idle_warm
-        heard = worker.notifier.stats["notes"]
-        conn.execute("NOTIFY jobrunner_queue, 'b'")  # (a task another worker took)
+        def heard() -> int:  # (a note while its notifier LISTENs, a ring while it sleeps)
+            return worker.notifier.stats["notes"] + worker.notifier.stats["rings"]
+
+        before = heard()
+        # (a task another worker took: the wake-up of every worker of the batch)
+        worker_waits.everyone(conn, batch_ids=("b",))
         conn.commit()
-        wait_for(lambda: worker.notifier.stats["notes"] > heard, what="the note")
+        wait_for(lambda: heard() > before, what="the note")
         time.sleep(0.3)  # its claim and its look (milliseconds)
         # (held over the rest of idle_warm, when it used to poll with claims)
         blocked = _claims_seen(dsn, conn, worker, 1.6)
@@ -538,6 +545,95 @@ def test_a_note_whose_work_others_took_costs_a_waiting_worker_a_claim_and_a_look
 
 QUEUE_CONNECTIONS = ("SELECT application_name, state_change FROM pg_stat_activity "
                      "WHERE application_name = ANY(%s)")
+ASLEEP = ("SELECT count(*) AS n FROM pg_stat_activity WHERE application_name = %s "
+          "AND wait_event = 'PgSleep'")
+
+
+def _sleeper(dsn: str, wait_id: int, seconds: float) -> tuple[psycopg.Connection, dict]:
+    """A notifier's session with a waiting row, asleep on it in a thread as the notifier
+    sleeps: again at once after a ring (QueryCanceled). The dict gets what the sleep
+    returned, when (monotonic), and how many rings."""
+    sleeper = psycopg.connect(dsn, autocommit=True, row_factory=psycopg.rows.dict_row,
+                              application_name="doorbell-test")
+    pid = sleeper.info.backend_pid
+    sleeper.execute("INSERT INTO agent_worker_wait (wait_id, batch_id, pid) "
+                    "VALUES (%s, 'd', %s)", (wait_id, pid))
+    out: dict = {"rings": 0}
+
+    def sleep() -> None:
+        rung = False
+        while True:
+            try:
+                out["gone"] = worker_waits.sleep(sleeper, [wait_id], 0.0 if rung else seconds)
+                out["at"] = time.monotonic()
+                return
+            except psycopg.errors.QueryCanceled:
+                out["rings"] += 1
+                rung = True
+
+    out["thread"] = threading.Thread(target=sleep, daemon=True)
+    return sleeper, out
+
+
+def test_a_ring_wakes_only_its_sleeper_and_only_after_the_enqueue_commits(dsn, conn):
+    """The doorbell (migration 0031), with the server as witness. A sleeping session is
+    cancelled by the enqueue that takes its row, and its next look waits for that
+    enqueue's commit (so its claim will see the new task); a ringer that rolls back
+    leaves the row, and the sleeper sleeps on; and a ring that comes while the session is
+    not yet asleep (so the server drops the cancel) is not lost: the sleep that follows
+    waits for the commit and returns at once."""
+    conn.commit()
+    # 1. asleep when rung: woken, then held until the commit
+    sleeper, out = _sleeper(dsn, 101, 60.0)
+    try:
+        out["thread"].start()
+        wait_for(lambda: _one(conn, ASLEEP, "doorbell-test")["n"] == 1, what="the sleep")
+        assert worker_waits.wake(conn, 1, batch_id="d") == 1  # (the enqueue's transaction)
+        wait_for(lambda: out["rings"] == 1, timeout=5, what="the ring")
+        time.sleep(0.5)
+        assert "gone" not in out, out  # (the enqueue has not committed: it waits)
+        committed = time.monotonic()
+        conn.commit()
+        out["thread"].join(5)
+        assert out["gone"] == {101}
+        assert out["at"] - committed < 2.0
+    finally:
+        sleeper.close()
+    # 2. a ringer that rolls back: the row stays, the sleep goes on
+    sleeper, out = _sleeper(dsn, 102, 2.0)
+    try:
+        out["thread"].start()
+        wait_for(lambda: _one(conn, ASLEEP, "doorbell-test")["n"] == 1, what="the sleep")
+        assert worker_waits.wake(conn, 1, batch_id="d") == 1
+        wait_for(lambda: out["rings"] == 1, timeout=5, what="the ring")
+        conn.rollback()
+        out["thread"].join(5)
+        assert out["gone"] == set()
+        assert _one(conn, "SELECT count(*) AS n FROM agent_worker_wait WHERE wait_id = 102"
+                    )["n"] == 1
+    finally:
+        sleeper.close()
+        conn.execute("DELETE FROM agent_worker_wait WHERE wait_id = 102")
+        conn.commit()
+    # 3. rung before it sleeps (no statement to cancel): the sleep waits for the commit
+    # and returns at once, not after its 60 s
+    sleeper, out = _sleeper(dsn, 103, 60.0)
+    monitor = psycopg.connect(dsn, row_factory=psycopg.rows.dict_row)
+    try:
+        assert worker_waits.wake(conn, 1, batch_id="d") == 1
+        out["thread"].start()
+        wait_for(lambda: _one(monitor, "SELECT count(*) AS n FROM pg_stat_activity WHERE "
+                              "application_name = 'doorbell-test' AND wait_event_type = "
+                              "'Lock'")["n"] == 1, timeout=5, what="the sleep to wait")
+        committed = time.monotonic()
+        conn.commit()
+        out["thread"].join(5)
+        assert out["gone"] == {103}
+        assert out["at"] - committed < 2.0
+        assert out["rings"] == 0
+    finally:
+        sleeper.close()
+        monitor.close()
 
 
 def test_an_enqueue_wakes_by_name_as_many_waiting_workers_as_it_has_tasks_for(
@@ -578,6 +674,13 @@ def test_an_enqueue_wakes_by_name_as_many_waiting_workers_as_it_has_tasks_for(
         # (each looked once its start's claim found nothing: its row is written)
         wait_for(lambda: waiting() == 6, timeout=20, what="six waiting rows")
         wait_for(other_sub.listening.is_set, what="the seventh listener")
+        # The six workers' notifier (one per process, shared by its workers) sleeps on
+        # their rows, not LISTENing: a LISTENing backend is signalled by every notifying
+        # commit of the database (PostgreSQL 18), a sleeping one only by a ring that
+        # names it. (The seventh listener's notifier has the same name, and no row: it
+        # LISTENs.)
+        wait_for(lambda: _one(conn, ASLEEP, f"jobrunner-notifier {os.getpid()}")["n"] == 1,
+                 timeout=20, what="the six workers' notifier asleep on their rows")
         before = statements()
         assert len(before) == 6, before
         heard = other.stats["notes"]

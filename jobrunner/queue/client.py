@@ -448,13 +448,14 @@ class Queue:
         return released
 
     def next_due(self, batch_id: str | None = None, pool: str | None = None, *,
-                 wait_id: int | None = None) -> float | None:
+                 wait_id: int | None = None, wait_pid: int | None = None) -> float | None:
         """Seconds until the batch's (or the pool's) earliest pending task is due (<= 0:
         one is due now); None when nothing is pending. With `wait_id`, the worker's
         waiting row (agent_worker_wait) is written in the same round trip: an enqueue
-        wakes it by name (worker_waits.wake)."""
+        rings it by name (worker_waits.wake), cancelling the sleep of `wait_pid` (its
+        notifier's session)."""
         before = (() if wait_id is None
-                  else (worker_waits.enter_step(wait_id, batch_id, pool),))
+                  else (worker_waits.enter_step(wait_id, batch_id, pool, wait_pid),))
         return task_store.next_due(self.session, batch_id=batch_id, pool=pool,
                                    before=before)
 

@@ -8,11 +8,10 @@ from typing import Any
 
 import psycopg
 
+from jobrunner.store import worker_waits
 from jobrunner.store.session import Mode, Session, Statement, run
 
 ENSURE = Statement("batch_ensure")
-NOTIFY = Statement("batch_notify")
-WAKE = Statement("batch_wake")
 REDUCE_DUE = Statement("batch_reduce_due")
 CANCEL = Statement("batch_cancel")
 GET = Statement("batch_get")
@@ -33,14 +32,15 @@ def ensure(conn: psycopg.Connection, batch_id: str, tenant_id: str) -> dict[str,
 
 
 def notify(conn: psycopg.Connection, batch_id: str) -> None:
-    run(conn, NOTIFY, {"batch_id": batch_id})
+    """Wake the batch's workers and watchers: it has pending work again."""
+    worker_waits.everyone(conn, batch_ids=(batch_id,))
 
 
 def wake(conn: psycopg.Connection, batch_ids: Sequence[str]) -> None:
     """Wake the workers of these batches and of their pools (one note each)."""
     if batch_ids:
         with conn.transaction():
-            run(conn, WAKE, {"batch_ids": sorted(set(batch_ids))}).fetchall()
+            worker_waits.everyone(conn, batch_ids=batch_ids, with_pools=True)
 
 
 def reduce_due(conn: psycopg.Connection) -> list[str]:

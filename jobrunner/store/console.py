@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 
 from jobrunner.model.flowcontrol import check_limit_name
+from jobrunner.store import worker_waits
 from jobrunner.store.session import Statement, run
 
 BATCH_SAMPLE = Statement("console_batch_sample")
@@ -54,7 +55,10 @@ def pause_limit(conn: psycopg.Connection, name: str) -> bool:
 
 def resume_limit(conn: psycopg.Connection, name: str) -> bool:
     """End the limit's pause (or a 429's block) now; False when no such limit exists."""
-    return run(conn, LIMIT_RESUME, {"name": check_limit_name(name)}).fetchone() is not None
+    row = run(conn, LIMIT_RESUME, {"name": check_limit_name(name)}).fetchone()
+    if row is not None and row["batch_ids"]:
+        worker_waits.everyone(conn, batch_ids=row["batch_ids"], with_pools=True)
+    return row is not None
 
 
 def api_batches(conn: psycopg.Connection, tenant_id: str | None, limit: int

@@ -50,6 +50,7 @@ from jobrunner.model.usage import (
     check_cost,
 )
 from jobrunner.model.validation import check_identifier, check_tokens
+from jobrunner.store import worker_waits
 from jobrunner.store.session import Mode, Session, Statement
 from jobrunner.store.sqlfiles import query
 
@@ -194,7 +195,7 @@ def set_budget(conn: psycopg.Connection, batch_id: str, *, tokens: int | None = 
                                                 "cost": clear_cost})
         # A raised budget may give waiting workers something to claim: wake the batch's
         # (and its pool's), as an enqueue does, on commit.
-        cur.execute(query("batch_wake"), {"batch_ids": [batch_id]})
+        worker_waits.everyone(conn, batch_ids=(batch_id,), with_pools=True)
 
 
 def set_tenant_budget(conn: psycopg.Connection, pool: str, tenant_id: str, *,
@@ -216,7 +217,7 @@ def set_tenant_budget(conn: psycopg.Connection, pool: str, tenant_id: str, *,
         if clear_tokens or clear_cost:
             cur.execute(query("tenant_budget_clear"),
                         {**params, "tokens": clear_tokens, "cost": clear_cost})
-        cur.execute(query("pool_notify"), {"pool": pool})  # (as in set_budget)
+        worker_waits.everyone(conn, pools=(pool,))  # (as in set_budget)
 
 
 def tenant_usage(conn: psycopg.Connection, pool: str, tenant_id: str) -> TenantUsage:

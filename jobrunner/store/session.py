@@ -73,6 +73,7 @@ LISTEN_POOLS = Statement("session_listen_pools")
 LISTEN_WAKE = Statement("session_listen_wake")
 LISTEN_DUE = Statement("session_listen_due")
 LISTEN_LEADER = Statement("session_listen_leader")
+UNLISTEN_ALL = Statement("session_unlisten_all")
 LEADER_TRY = Statement("session_leader_try")
 LEADER_RESIGN = Statement("session_leader_resign")
 
@@ -116,6 +117,12 @@ def listen_all(conn: psycopg.Connection) -> None:
     notes that name one worker come on its own channel: listen_channel.)"""
     for statement in (LISTEN_BATCHES, LISTEN_POOLS, LISTEN_DUE, LISTEN_LEADER):
         conn.execute(statement.sql)
+
+
+def unlisten_all(conn: psycopg.Connection) -> None:
+    """Stop every LISTEN of an autocommit connection (a notifier about to sleep on its
+    workers' rows: a listening backend is signalled by every notifying commit)."""
+    conn.execute(UNLISTEN_ALL.sql)
 
 
 def leader_try(conn: psycopg.Connection) -> bool:

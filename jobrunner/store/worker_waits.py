@@ -4,16 +4,19 @@ claim, and an enqueue's wake-up of as many of them as it has tasks for. Statemen
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import psycopg
 
-from jobrunner.store import batches
 from jobrunner.store.session import Mode, Session, Statement, Step, run
 
 ENTER = Statement("worker_wait_enter", Mode.ROUND_TRIP)
 LEAVE = Statement("worker_wait_leave", Mode.ROUND_TRIP)
 WAKE = Statement("worker_wait_wake")
+SLEEP = Statement("worker_wait_sleep")
+CAN_RING = Statement("worker_wait_can_ring")
 SWEEP = Statement("worker_wait_sweep")
-POOL_NOTIFY = Statement("pool_notify")
+EVERYONE = Statement("worker_wait_everyone")
 
 # One waiting worker more than the new tasks: a row may be a dead worker's (it sinks
 # below the live ones within a fallback poll, but until then it takes a wake-up).
@@ -24,15 +27,18 @@ MOST = 100
 
 
 def channel(wait_id: int) -> str:
-    """The channel a waiting worker LISTENs on for the notes that name it (the same name
-    as sql/queries/worker_waits.sql and task_retry_notify build: 'jobrunner_wake_' || id)."""
+    """The channel a waiting worker LISTENs on for the notes that name it while its
+    notifier is not asleep (the same name as agent_worker_wait_ring builds, migration
+    0031: 'jobrunner_wake_' || id)."""
     return f"jobrunner_wake_{wait_id}"
 
 
-def enter_step(wait_id: int, batch_id: str | None, pool: str | None) -> Step:
+def enter_step(wait_id: int, batch_id: str | None, pool: str | None,
+               pid: int | None) -> Step:
     """A waiting worker's row, written (or refreshed) as a step of its look's round trip
-    (tasks.next_due): a worker about to sleep until a note."""
-    return (ENTER, {"wait_id": wait_id, "batch_id": batch_id, "pool": pool})
+    (tasks.next_due): a worker about to sleep until rung. `pid`: its notifier's session,
+    the one a ring cancels while it sleeps."""
+    return (ENTER, {"wait_id": wait_id, "batch_id": batch_id, "pool": pool, "pid": pid})
 
 
 def leave(session: Session, wait_id: int) -> None:
@@ -52,11 +58,32 @@ def wake(conn: psycopg.Connection, count: int, *, batch_id: str | None = None,
         woken = run(conn, WAKE, {"batch_id": batch_id, "pool": pool, "count": want}
                     ).fetchone()["woken"]
     if not woken:
-        if pool is None:
-            batches.notify(conn, batch_id)  # type: ignore[arg-type]
-        else:
-            run(conn, POOL_NOTIFY, {"pool": pool})
+        everyone(conn, batch_ids=() if pool is not None else (batch_id,),  # type: ignore[arg-type]
+                 pools=() if pool is None else (pool,))
     return woken
+
+
+def everyone(conn: psycopg.Connection, *, batch_ids: Sequence[str] = (),
+             pools: Sequence[str] = (), with_pools: bool = False) -> int:
+    """Wake every worker of these batches (with_pools: and of their pools) and pools: the
+    note to the LISTENing ones, a ring to each waiting one. How many were rung."""
+    return int(run(conn, EVERYONE, {"batch_ids": sorted(set(batch_ids)),
+                                    "pools": sorted(set(pools)), "with_pools": with_pools}
+                   ).fetchone()["woken"])
+
+
+def sleep(conn: psycopg.Connection, wait_ids: list[int], seconds: float) -> set[int]:
+    """A notifier's sleep (autocommit) on its waiting workers' rows: the ids of those an
+    enqueue took, at once if any already were (after the enqueue's commit), else when
+    one rings (the statement is cancelled: psycopg.errors.QueryCanceled, and the next
+    call returns what was taken), else none after `seconds`. 0 seconds: only look."""
+    row = run(conn, SLEEP, {"ids": wait_ids, "seconds": seconds}).fetchone()
+    return set(row["gone"] or ())
+
+
+def can_ring(conn: psycopg.Connection) -> bool:
+    """Whether a ring can cancel this session's sleep (migration 0031)."""
+    return bool(run(conn, CAN_RING).fetchone()["can_ring"])
 
 
 def sweep(conn: psycopg.Connection) -> int:

@@ -82,8 +82,8 @@ def enqueue_staged(conn: psycopg.Connection, batch_id: str, tenant_id: str, pool
 
 
 def notify(conn: psycopg.Connection, pool: str) -> None:
-    """Wake the pool's workers (LISTEN jobrunner_pool): it has pending work again."""
-    conn.execute(query("pool_notify"), {"pool": pool})
+    """Wake the pool's workers: it has pending work again."""
+    worker_waits.everyone(conn, pools=(pool,))
 
 
 def set_weight(conn: psycopg.Connection, pool: str, tenant_id: str, weight: float) -> int:

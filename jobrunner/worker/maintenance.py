@@ -7,7 +7,7 @@ Guarantees:
   past their `locked_until` go back to `pending`, or to `dead` when their attempts are
   used up (Queue.expire; a row another transaction holds locked, another sweep or an
   effect under its lease, waits for the next sweep), and the workers of each batch (and
-  pool) that got tasks back are woken (batch_wake). In the same tick it runs the reduce
+  pool) that got tasks back are woken (worker_waits.everyone). In the same tick it runs the reduce
   trigger (jobrunner/features/reduce.py) for every batch whose reduce may be due
   (batch_reduce_due). So a task of a crashed worker runs again within about a second of
   its lease expiring, and a batch's reduce is enqueued within about a second of its last

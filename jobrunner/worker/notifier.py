@@ -110,6 +110,11 @@ class Subscription:
     listening: threading.Event = field(default_factory=threading.Event)
     # when a note last named it (monotonic): the enqueue took its row
     named_at: float = -math.inf
+    # The notifier session (its `connects` count) whose pid the worker's row holds, while
+    # it has one (set by its producer when it writes the row, cleared when it leaves it or
+    # an enqueue takes it). While every subscription of a process has one, its notifier
+    # sleeps on the rows instead of LISTENing (Notifier._sleep).
+    row_session: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -128,6 +133,12 @@ class Subscription:
         elif payload == self.target:
             self.named_at = now
             self._noted(now)
+
+    def taken(self, now: float) -> None:
+        """An enqueue took its row and rang it (the notifier's sleep said so)."""
+        self.row_session = None
+        self.named_at = now
+        self._noted(now)
 
     def due_in(self, now: float) -> float:
         """Seconds until the earliest retry this worker was told of (inf: none)."""
@@ -210,13 +221,22 @@ class Notifier:
         # the workers' own channels (Subscription.channel) the current session LISTENs on
         self._listened: dict[str, Subscription] = {}
         self._subscribed_at = -math.inf  # (monotonic)
-        self.stats = {"notes": 0, "connects": 0, "elected": 0}
+        # The session's backend pid (a waiting worker's row names it, for rings), and
+        # whether a ring can cancel its statements (worker_waits.can_ring)
+        self.session_pid: int | None = None
+        self._can_ring = False
+        self._conn: psycopg.Connection | None = None
+        self._asleep = False  # (in worker_waits.sleep)
+        self._interrupted = False  # (the sleep was cancelled from here, not rung)
+        self._look_again = False  # (interrupted while not asleep: do not start one)
+        self.stats = {"notes": 0, "connects": 0, "elected": 0, "rings": 0}
 
     # -- subscriptions -----------------------------------------------------------------
     def subscribe(self, sub: Subscription) -> None:
         with self._lock:
             self._subs.append(sub)
             self._subscribed_at = time.monotonic()
+        self._interrupt()  # (asleep, it would LISTEN on the new one's channel only later)
 
     def unsubscribe(self, sub: Subscription) -> None:
         with self._lock:
@@ -246,6 +266,7 @@ class Notifier:
 
     def close(self) -> None:
         self._closed.set()
+        self._interrupt()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -261,6 +282,9 @@ class Notifier:
                 # pooled connections from it: planned once, not every few seconds.
                 conn.prepare_threshold = 5
                 session.listen_all(conn)
+                self.session_pid = conn.info.backend_pid
+                self._can_ring = self._ringable(conn)
+                self._conn = conn
                 self.stats["connects"] += 1
                 self.connected.set()
                 delay = 0.5
@@ -274,8 +298,9 @@ class Notifier:
             finally:
                 with self._lock:
                     was_leader, self._leader = self._leader, False
-                    listened, self._listened = self._listened, {}
-                for sub in listened.values():
+                    self._listened, self._conn = {}, None
+                    subs = list(self._subs)
+                for sub in subs:
                     sub.listening.clear()
                 self.connected.clear()
                 if conn is not None:
@@ -286,16 +311,35 @@ class Notifier:
             delay = min(30.0, delay * 2)
 
     def _listen(self, conn: psycopg.Connection) -> None:
+        listening = True  # (listen_all ran on connect)
         while not self._closed.is_set():
-            self._sync_channels(conn)
+            asleep = self._sleepers()
+            try:
+                if asleep and listening:
+                    # (notes already received first: after UNLISTEN none come)
+                    self._drain(conn)
+                    session.unlisten_all(conn)
+                    with self._lock:
+                        self._listened = {}  # (sub.listening stays: a ring reaches it)
+                    self._drain(conn)
+                    listening = False
+                elif not asleep and not listening:
+                    session.listen_all(conn)
+                    listening = True
+                if listening:
+                    self._sync_channels(conn)
+            except psycopg.errors.QueryCanceled:
+                continue  # (a ring that came just after a sleep ended: nothing is lost)
             now = time.monotonic()
             if self.elect and not self._leader and now >= self._next_try:
-                if session.leader_try(conn):
-                    with self._lock:
-                        self._leader = True
-                    self.stats["elected"] += 1
-                    log.info("notifier: this process is the maintenance leader")
-                self._next_try = now + random.uniform(*self.lead_retry)
+                self._try_lead(conn, now)
+            if asleep:
+                # Until the next leadership try (a candidate), or half a minute: nothing
+                # else in this session needs a statement meanwhile; a ring, a new
+                # subscription or close() cancels the sleep sooner.
+                until = 30.0 if self._leader or not self.elect else self._next_try - now
+                self._sleep(conn, asleep, max(0.05, min(30.0, until)))
+                continue
             wait = 1.0 if self._leader or not self.elect else max(
                 0.0, min(1.0, self._next_try - time.monotonic()))
             if time.monotonic() - self._subscribed_at < 2.0:
@@ -312,6 +356,88 @@ class Notifier:
             self._drain(conn)
             if conn.closed or conn.broken:
                 raise db.DatabaseUnavailable("the notifier's connection closed")
+
+    def _try_lead(self, conn: psycopg.Connection, now: float) -> None:
+        try:
+            led = session.leader_try(conn)
+        except psycopg.errors.QueryCanceled:
+            # (a late ring: whether the session took the lock is unknown, and a lock held
+            # unknowingly would stop every process's maintenance; a new session has none)
+            raise db.DatabaseUnavailable("the leadership try was cancelled") from None
+        if led:
+            with self._lock:
+                self._leader = True
+            self.stats["elected"] += 1
+            log.info("notifier: this process is the maintenance leader")
+        self._next_try = now + random.uniform(*self.lead_retry)
+
+    # -- asleep on the waiting workers' rows ----------------------------------------------
+    @staticmethod
+    def _ringable(conn: psycopg.Connection) -> bool:
+        try:
+            return worker_waits.can_ring(conn)
+        except psycopg.errors.UndefinedFunction:
+            return False  # (a database not migrated yet: LISTEN, as before)
+
+    def _sleepers(self) -> list[Subscription]:
+        """The subscriptions to sleep on: all of them, when each has its waiting row with
+        this session's pid (a worker without one must hear the LISTEN notes); else none."""
+        with self._lock:
+            subs = list(self._subs)
+        session_no = self.stats["connects"]
+        if not self._can_ring or not subs or any(s.row_session != session_no for s in subs):
+            return []
+        return subs
+
+    def _sleep(self, conn: psycopg.Connection, subs: list[Subscription],
+               seconds: float) -> None:
+        """Sleep in worker_waits.sleep: no listener, so no other commit's notes signal this
+        backend; an enqueue that takes a row cancels the statement (its ring), and the
+        next call, at once, says which (migration 0031)."""
+        ids = [sub.wait_id for sub in subs]
+        rung = False
+        while True:
+            try:
+                with self._lock:
+                    look_again, self._look_again = self._look_again, False
+                    self._asleep, self._interrupted = True, False
+                if not rung and (look_again or self._closed.is_set()):
+                    return
+                gone = worker_waits.sleep(conn, ids, 0.0 if rung else seconds)
+                break
+            except psycopg.errors.QueryCanceled:
+                with self._lock:
+                    interrupted = self._interrupted
+                if interrupted:
+                    return  # (from here: the loop looks again)
+                rung = True  # (the next call waits for the ringer's commit)
+            finally:
+                with self._lock:
+                    self._asleep = False
+        if not rung and not gone:
+            return
+        self.stats["rings"] += 1
+        now = time.monotonic()
+        for sub in subs:
+            if sub.wait_id in gone:
+                if sub.row_session is not None:
+                    sub.taken(now)
+            elif rung and not gone:
+                # (rung and its row kept: a retry's backup, task_retry_notify; it looks a
+                # little later, and the look says when the retry is due)
+                sub.backup(now)
+
+    def _interrupt(self) -> None:
+        """Cut the notifier's sleep short (a new subscription, close)."""
+        with self._lock:
+            conn = self._conn if self._asleep else None
+            self._interrupted = conn is not None
+            self._look_again = conn is None
+        if conn is not None:
+            try:
+                conn.cancel_safe(timeout=3)
+            except Exception:
+                pass  # (it wakes at its timeout)
 
     def _drain(self, conn: psycopg.Connection) -> None:
         for note in conn.notifies(timeout=0):

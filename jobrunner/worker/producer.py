@@ -265,9 +265,12 @@ class Producer:
             # retry) need not each rewrite it.
             if not self._waiting or now - self._entered_at >= WAIT_REFRESH:
                 wait_id = sub.wait_id
+        session_no = notifier.stats["connects"] if notifier is not None else 0
+        pid = notifier.session_pid if notifier is not None else None
         try:
             ahead = self.conn.run(lambda q: q.next_due(claim.batch_id, claim.pool,
-                                                       wait_id=wait_id), "next due")
+                                                       wait_id=wait_id, wait_pid=pid),
+                                  "next due")
         except psycopg.errors.InsufficientPrivilege:
             if wait_id is None:
                 raise
@@ -282,7 +285,8 @@ class Producer:
                                   "next due")
         if wait_id is not None:
             self._waiting, self._entered_at = True, now
-            self._entered_session = notifier.stats["connects"]  # type: ignore[union-attr]
+            self._entered_session = session_no
+            sub.row_session = session_no  # type: ignore[union-attr]
         return ahead
 
     def leave_wait(self, *, db_locked: bool = False) -> None:
@@ -292,6 +296,7 @@ class Producer:
         if not self._waiting or sub is None:
             return
         self._waiting = False
+        sub.row_session = None
         if sub.named_at >= self._entered_at:
             return  # (a note named it: the enqueue that sent it took the row)
         run = self.conn.run_locked if db_locked else self.conn.run

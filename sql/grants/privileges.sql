@@ -36,12 +36,18 @@ REVOKE ALL ON FUNCTION
     jobrunner_task_key_delete(),
     jobrunner_task_key_fixed(),
     jobrunner_task_key_insert(),
-    jobrunner_task_key_truncate()
+    jobrunner_task_key_truncate(),
+    jobrunner_wait_key(bigint),
+    agent_worker_wait_sleep(bigint[], double precision),
+    agent_worker_wait_can_ring(),
+    agent_worker_wait_ring(bigint[], integer[], text)
 FROM {operator}, {worker}, {api}, {readonly};
 -- (USAGE on the schema: granted by its owner, `jobrunner db grant`, sql/queries/roles.sql)
 
--- Functions are executable by PUBLIC unless revoked. They are all SECURITY INVOKER: they
--- can do only what the caller's table privileges allow.
+-- Functions are executable by PUBLIC unless revoked. They are all SECURITY INVOKER (they
+-- can do only what the caller's table privileges allow) but two of migration 0031:
+-- agent_worker_wait_ring cancels only a session sleeping on a waiting row (it holds the
+-- row's ASLEEP lock, pg_locks), and agent_worker_wait_can_ring reads role memberships.
 REVOKE EXECUTE ON FUNCTION
     jobrunner_batch_settled(text, text),
     jobrunner_limit_admit(bigint[]),
@@ -55,7 +61,11 @@ REVOKE EXECUTE ON FUNCTION
     jobrunner_task_key_delete(),
     jobrunner_task_key_fixed(),
     jobrunner_task_key_insert(),
-    jobrunner_task_key_truncate()
+    jobrunner_task_key_truncate(),
+    jobrunner_wait_key(bigint),
+    agent_worker_wait_sleep(bigint[], double precision),
+    agent_worker_wait_can_ring(),
+    agent_worker_wait_ring(bigint[], integer[], text)
 FROM PUBLIC;
 -- (The tenants' bindings, jobrunner_tenant_role: no component reads them. The row
 -- policies hold each bound role's tenants as constants, sql/grants/tenant_policies.sql.)
@@ -86,7 +96,11 @@ GRANT EXECUTE ON FUNCTION
     jobrunner_pool_relay(text, text, integer, double precision, double precision),
     jobrunner_pool_start(text, text, integer, text),
     jobrunner_pool_stride(text, text, integer),
-    jobrunner_shard_take(text, text)
+    jobrunner_shard_take(text, text),
+    jobrunner_wait_key(bigint),
+    agent_worker_wait_sleep(bigint[], double precision),
+    agent_worker_wait_can_ring(),
+    agent_worker_wait_ring(bigint[], integer[], text)
 TO {worker};
 
 -- ---------------------------------------------------------------------------------------
@@ -116,7 +130,8 @@ GRANT EXECUTE ON FUNCTION
     jobrunner_pool_set_weight(text, text, double precision),
     jobrunner_pool_start(text, text, integer, text),
     jobrunner_pool_stride(text, text, integer),
-    jobrunner_shard_take(text, text)
+    jobrunner_shard_take(text, text),
+    agent_worker_wait_ring(bigint[], integer[], text)
 TO {operator};
 
 -- ---------------------------------------------------------------------------------------
@@ -152,7 +167,8 @@ GRANT EXECUTE ON FUNCTION
     jobrunner_pool_relay(text, text, integer, double precision, double precision),
     jobrunner_pool_set_weight(text, text, double precision),
     jobrunner_pool_start(text, text, integer, text),
-    jobrunner_pool_stride(text, text, integer)
+    jobrunner_pool_stride(text, text, integer),
+    agent_worker_wait_ring(bigint[], integer[], text)
 TO {api};
 
 -- ---------------------------------------------------------------------------------------

@@ -14,10 +14,6 @@ INSERT INTO agent_batch (batch_id, tenant_id) VALUES (%(batch_id)s, %(tenant_id)
 ON CONFLICT (batch_id) DO UPDATE SET batch_id = EXCLUDED.batch_id
 RETURNING tenant_id, cancelled_at, pool, priority;
 
--- name: batch_notify
--- Wake the workers listening for new work of any batch.
-SELECT pg_notify('jobrunner_queue', %(batch_id)s);
-
 -- name: batch_cancel
 -- Cancel a batch: its pending tasks become cancelled, its leases finish or end cancelled.
 WITH batch AS (
@@ -182,18 +178,6 @@ CROSS JOIN LATERAL (SELECT
 ) c
 WHERE b.batch_id = %(batch_id)s
   AND (%(tenant_id)s::text IS NULL OR b.tenant_id = %(tenant_id)s);
-
--- name: batch_wake
--- Wake the workers of these batches (and of their pools): tasks became claimable.
---
--- Sent by the maintenance leader after it returned expired leases to pending: one
--- notification per batch and one per pool, whatever the number of rows.
-SELECT pg_notify('jobrunner_queue', w.batch_id)
-FROM unnest(%(batch_ids)s::text[]) AS w(batch_id)
-UNION ALL
-SELECT pg_notify('jobrunner_pool', p.pool)
-FROM (SELECT DISTINCT b.pool FROM agent_batch b
-      WHERE b.batch_id = ANY(%(batch_ids)s::text[]) AND b.pool IS NOT NULL) p;
 
 -- name: batch_reduce_due
 -- The batches whose reduce step may still have to be enqueued, in every pool or none.

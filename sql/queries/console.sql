@@ -103,9 +103,10 @@ RETURNING name, blocked_until;
 -- name: limit_resume
 -- Resume a limit: end its pause or block now, and wake the workers that may claim again.
 --
--- Workers that found only tasks of a paused limit sleep until a note (their fallback
--- poll is a minute away): the note goes to every batch under flow control that has a
--- pending task (one probe of the pending index per such batch), and to their pools.
+-- Workers that found only tasks of a paused limit sleep until woken (their fallback
+-- poll is a minute away): the batches under flow control that have a pending task (one
+-- probe of the pending index per such batch) come back, and resume_limit wakes their
+-- workers and their pools' (worker_waits.everyone).
 WITH resumed AS (
     UPDATE agent_limit
     SET blocked_until = NULL, updated_at = now()
@@ -119,10 +120,7 @@ waiting AS MATERIALIZED (
                   WHERE q.batch_id = b.batch_id AND q.status = 'pending')
       AND EXISTS (SELECT 1 FROM resumed)
 )
-SELECT r.name,
-       (SELECT count(pg_notify('jobrunner_queue', w.batch_id)) FROM waiting w)
-       + (SELECT count(pg_notify('jobrunner_pool', p.pool))
-          FROM (SELECT DISTINCT pool FROM waiting WHERE pool IS NOT NULL) p) AS woken
+SELECT r.name, (SELECT array_agg(w.batch_id) FROM waiting w) AS batch_ids
 FROM resumed r;
 
 -- name: console_api_batches

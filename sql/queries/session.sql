@@ -42,11 +42,11 @@ SET TRANSACTION READ ONLY;
 SELECT set_config('TimeZone', 'UTC', true);
 
 -- name: session_listen_batches
--- Receive batch_notify's wake-ups (payload: the batch id).
+-- Receive worker_wait_everyone's wake-ups of batches (payload: the batch id).
 LISTEN jobrunner_queue;
 
 -- name: session_listen_pools
--- Receive pool_notify's wake-ups (payload: the pool name).
+-- Receive worker_wait_everyone's wake-ups of pools (payload: the pool name).
 LISTEN jobrunner_pool;
 
 -- name: session_listen_wake
@@ -61,6 +61,11 @@ LISTEN jobrunner_due;
 -- name: session_listen_leader
 -- Receive session_leader_resign's hand-over: the maintenance leader is leaving.
 LISTEN jobrunner_leader;
+
+-- name: session_unlisten_all
+-- Stop listening to anything: a notifier about to sleep on its waiting workers' rows
+-- (worker_wait_sleep) is then no listener, which every notifying commit signals.
+UNLISTEN *;
 
 -- name: session_leader_try
 -- Become this database's maintenance leader if nobody is (a session advisory lock).

@@ -1130,15 +1130,17 @@ LIMIT %(limit)s;
 --
 -- The retry is its own worker's to claim; the others only look for it a little after it
 -- is due, in case that worker is busy or gone. Two waiting workers of the target (the
--- most recently seen rows of agent_worker_wait) are told, each on its own channel
--- (jobrunner_wake_ID, payload "due TARGET SECONDS"; worker_wait_wake says why), so
--- a fleet of 1,000 waiting pods does not send 1,000 looks per retry; with none waiting,
--- every listener of the target is (jobrunner_due, payload "TARGET SECONDS"), as before.
+-- most recently seen rows of agent_worker_wait) are rung (agent_worker_wait_ring: a
+-- sleeping notifier's statement is cancelled and it looks; one still LISTENing gets the
+-- note "due TARGET SECONDS" on its own channel; worker_wait_wake says why), so a fleet
+-- of 1,000 waiting pods does not send 1,000 looks per retry; with none waiting, every
+-- listener of the target is told (jobrunner_due, payload "TARGET SECONDS"), as before.
+-- Their rows stay: they look, they are not wanted for a claim.
 SELECT n.target, n.seconds::float8 AS seconds,
        CASE WHEN w.ids IS NULL
             THEN pg_notify('jobrunner_due', n.target || ' ' || n.seconds) END AS everyone,
-       (SELECT count(pg_notify('jobrunner_wake_' || i, 'due ' || n.target || ' ' || n.seconds))
-        FROM unnest(w.ids) i) AS named
+       agent_worker_wait_ring(w.ids, w.pids, 'due ' || n.target || ' ' || n.seconds)
+           AS named
 FROM (SELECT DISTINCT q.batch_id, q.pool,
              CASE WHEN q.pool IS NULL THEN 'batch ' || q.batch_id ELSE 'pool ' || q.pool END
                  AS target,
@@ -1148,11 +1150,11 @@ FROM (SELECT DISTINCT q.batch_id, q.pool,
       WHERE q.id = ANY(%(ids)s::bigint[]) AND q.status = 'pending'
         AND q.run_after > clock_timestamp()) n
 LEFT JOIN LATERAL (
-    SELECT array_agg(x.wait_id) AS ids
-    FROM ((SELECT v.wait_id FROM agent_worker_wait v
+    SELECT array_agg(x.wait_id) AS ids, array_agg(x.pid) AS pids
+    FROM ((SELECT v.wait_id, v.pid FROM agent_worker_wait v
            WHERE n.pool IS NULL AND v.batch_id = n.batch_id
            ORDER BY v.seen_at DESC LIMIT 2)
           UNION ALL
-          (SELECT v.wait_id FROM agent_worker_wait v
+          (SELECT v.wait_id, v.pid FROM agent_worker_wait v
            WHERE n.pool IS NOT NULL AND v.pool = n.pool
            ORDER BY v.seen_at DESC LIMIT 2)) x) w ON true;

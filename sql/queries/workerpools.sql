@@ -74,10 +74,6 @@ SELECT new FROM counted;
 SELECT jobrunner_pool_relay(%(pool)s, %(tenant_id)s, %(priority)s, %(vstart)s,
                             %(vstride)s) AS last;
 
--- name: pool_notify
--- Wake the pool's workers.
-SELECT pg_notify('jobrunner_pool', %(pool)s);
-
 -- name: pool_set_weight
 -- Set a tenant's weight in a pool.
 SELECT jobrunner_pool_set_weight(%(pool)s, %(tenant_id)s, %(weight)s) AS streams;

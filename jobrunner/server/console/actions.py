@@ -3,7 +3,7 @@ matching the browser's filter, its count confirmed first), cancel a batch, raise
 budget, trigger a schedule; for an operator's admin also pause and resume a limit and set a
 pool weight. Each runs
 in one transaction with its audit row (jobrunner/store/audit.py), and ends with the
-queue's wake-up (batch_notify), which the batch's workers and every replica's live
+queue's wake-up (worker_waits.everyone), which the batch's workers and every replica's live
 updates listen for."""
 
 from __future__ import annotations
