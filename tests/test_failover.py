@@ -260,6 +260,7 @@ def test_a_primary_killed_with_a_record_half_flushed_fails_over(replica_set):
         wait_for(half_received, timeout=30, what="the standby to receive part of the record")
     record = rs.failover()
     open_tx.close()
+    assert any("a record whose tail never came" in what for _, what in rs.events)
     with psycopg.connect(rs.dsn(), autocommit=True) as conn:
         # (all the standby had received was part of it)
         assert conn.execute("SELECT %s::pg_lsn < %s::pg_lsn AND %s::pg_lsn < %s::pg_lsn",

@@ -269,8 +269,8 @@ class ReplicaSet:
                  lag: float = 0.0) -> Failover:
         """Kill the primary, promote the standby. With `lag` (asynchronous mode), the
         standby is cut off that many seconds before (hold_back_standby). on_fork(conn)
-        reads the standby once it has replayed everything it received (the surviving
-        history at the fork); the promotion follows at once. on_promoted(node) runs right
+        reads the standby once it has replayed all it can of what it received (the
+        surviving history at the fork); the promotion follows at once. on_promoted(node) runs right
         after it (repointing a PgBouncer, say)."""
         self.wait_rebuilt()
         if lag:
@@ -282,7 +282,13 @@ class ReplicaSet:
         with self._admin(new) as conn:
             self._wait(self._replayed_all_it_can(conn),
                        "the standby to replay all it can of what it received")
-            fork_lsn = str(conn.execute("SELECT pg_last_wal_receive_lsn()").fetchone()[0])
+            fork_lsn, replayed, short = conn.execute(
+                "SELECT pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn(),"
+                " pg_last_wal_replay_lsn() < pg_last_wal_receive_lsn()").fetchone()
+            fork_lsn = str(fork_lsn)
+            if short:
+                self._event(f"node{new}: replayed up to {replayed} of {fork_lsn} received"
+                            " (the rest: a record whose tail never came)")
             at_fork = on_fork(conn) if on_fork else None
             if self.synchronous:
                 # Without a standby of its own yet, the new primary must not wait for one.
