@@ -232,6 +232,44 @@ def test_an_ack_whose_effect_was_lost_in_a_failover_is_refused(replica_set):
             {"task_key": "k1", "attempt": 2}]
 
 
+# -- the failover itself ----------------------------------------------------------------
+def test_a_primary_killed_with_a_record_half_flushed_fails_over(replica_set):
+    """The walwriter flushes whole pages, the walsender sends what was flushed: killed
+    then, the primary leaves its standby with the head of a record whose tail never comes,
+    received but never replayable. The failover promotes the standby all the same (not
+    after waiting for replay to reach what was received: a CI soak timed out so), with
+    every commit, and the new primary writes."""
+    rs = replica_set
+    with psycopg.connect(rs.dsn(), autocommit=True) as conn:
+        conn.execute("CREATE TABLE kept (n int)")
+        conn.execute("INSERT INTO kept VALUES (1)")  # synchronous: on the standby's disk
+    # One record of 300 kB (many pages) in a transaction left open: nothing flushes its
+    # end, and the walwriter flushes (so the standby receives) its pages but the last.
+    open_tx = psycopg.connect(rs.node_dsn(rs.primary))
+    (start,) = open_tx.execute("SELECT pg_current_wal_insert_lsn()").fetchone()
+    (end,) = open_tx.execute(
+        "SELECT pg_logical_emit_message(false, 'half', repeat('x', 300000))").fetchone()
+    with rs._admin(rs.primary) as primary, rs._admin(rs.standby) as standby:
+        def half_received() -> bool:
+            (flushed,) = primary.execute("SELECT pg_current_wal_flush_lsn()").fetchone()
+            return standby.execute(
+                "SELECT %s::pg_lsn < pg_last_wal_receive_lsn()"
+                " AND pg_last_wal_receive_lsn() = %s::pg_lsn AND %s::pg_lsn < %s::pg_lsn",
+                (start, flushed, flushed, end)).fetchone()[0]
+
+        wait_for(half_received, timeout=30, what="the standby to receive part of the record")
+    record = rs.failover()
+    open_tx.close()
+    assert any("a record whose tail never came" in what for _, what in rs.events)
+    with psycopg.connect(rs.dsn(), autocommit=True) as conn:
+        # (all the standby had received was part of it)
+        assert conn.execute("SELECT %s::pg_lsn < %s::pg_lsn AND %s::pg_lsn < %s::pg_lsn",
+                            (start, record.fork_lsn, record.fork_lsn, end)).fetchone()[0]
+        assert conn.execute("SELECT pg_is_in_recovery()").fetchone()[0] is False
+        conn.execute("INSERT INTO kept VALUES (2)")
+        assert conn.execute("SELECT n FROM kept ORDER BY n").fetchall() == [(1,), (2,)]
+
+
 # -- following the primary ---------------------------------------------------------------
 def test_listen_the_cli_and_the_controller_follow_the_primary(replica_set, tmp_path, capsys):
     """A worker that polls only every 24-60 s (5-15 s once its notifier is up) picks up a

@@ -12,7 +12,8 @@ both from the embedded build the other tests use (jobrunner.embedded.bin_dir()),
   Asynchronous mode: no synchronous standby.
 - Failover: kill -9 of the primary's postmaster and every child process (a node lost:
   nothing flushed, nothing said to the clients beyond the kernel closing the sockets),
-  then pg_promote() on the standby once it has replayed all it received.
+  then pg_promote() on the standby once it has replayed all it received (all it can:
+  see _replayed_all_it_can).
 - Switchback: the old primary's data directory is set aside (kept for a post-mortem:
   what had it committed that the new primary never got?), a fresh pg_basebackup of the
   new primary is started in its place on the old port as a standby, and the next
@@ -189,6 +190,45 @@ class ReplicaSet:
                 raise TimeoutError(f"replica set: timed out waiting for {what}")
             time.sleep(0.05)
 
+    @staticmethod
+    def _replayed_all_it_can(conn: psycopg.Connection) -> Callable[[], bool]:
+        """A predicate for _wait, on a standby whose primary is dead: true once it has
+        replayed every whole record it received, nothing more to come.
+
+        Replaying up to pg_last_wal_receive_lsn() is not always possible: a walsender
+        sends what its primary flushed, and the walwriter flushes whole pages, so a
+        primary killed then leaves the standby with the head of a record whose tail
+        never comes; replay stops at its start for good. (No acknowledged commit is in
+        such a record: a commit returns once its record was flushed whole, on the
+        synchronous standby too.) So, once the walreceiver no longer streams (the
+        received WAL can only stay as it is): either replay reached what was received,
+        or the startup process waits because no source has the WAL it needs next
+        (RecoveryRetrieveRetryInterval; RecoveryWalStream, between its retries) and the
+        replay position read by the next poll is the same. Each wait seen means all it
+        could replay was, so a position read after one is final; the same position
+        read before one, in the previous poll, rules out a replay racing the reads."""
+        previous: list[Any] = [None]
+
+        def predicate() -> bool:
+            receiver_gone, caught_up, waiting, replayed = conn.execute(
+                "SELECT NOT EXISTS (SELECT FROM pg_stat_wal_receiver"
+                "                   WHERE status = 'streaming'),"
+                " coalesce(pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn(), false),"
+                " EXISTS (SELECT FROM pg_stat_activity WHERE backend_type = 'startup'"
+                "         AND wait_event IN ('RecoveryRetrieveRetryInterval',"
+                "                            'RecoveryWalStream')),"
+                " pg_last_wal_replay_lsn()").fetchone()
+            if not receiver_gone:
+                previous[0] = None
+                return False
+            if caught_up:
+                return True
+            done = waiting and previous[0] is not None and previous[0] == replayed
+            previous[0] = replayed if waiting else None
+            return done
+
+        return predicate
+
     def kill_primary(self) -> None:
         """kill -9 of the primary's postmaster and all its children at once."""
         node = self.nodes[self.primary]
@@ -229,8 +269,8 @@ class ReplicaSet:
                  lag: float = 0.0) -> Failover:
         """Kill the primary, promote the standby. With `lag` (asynchronous mode), the
         standby is cut off that many seconds before (hold_back_standby). on_fork(conn)
-        reads the standby once it has replayed everything it received (the surviving
-        history at the fork); the promotion follows at once. on_promoted(node) runs right
+        reads the standby once it has replayed all it can of what it received (the
+        surviving history at the fork); the promotion follows at once. on_promoted(node) runs right
         after it (repointing a PgBouncer, say)."""
         self.wait_rebuilt()
         if lag:
@@ -240,10 +280,15 @@ class ReplicaSet:
         self.kill_primary()
         self._event(f"node{old}: killed")
         with self._admin(new) as conn:
-            self._wait(lambda: conn.execute(
-                "SELECT pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn()").fetchone()[0],
-                "the standby to replay what it received")
-            fork_lsn = str(conn.execute("SELECT pg_last_wal_receive_lsn()").fetchone()[0])
+            self._wait(self._replayed_all_it_can(conn),
+                       "the standby to replay all it can of what it received")
+            fork_lsn, replayed, short = conn.execute(
+                "SELECT pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn(),"
+                " pg_last_wal_replay_lsn() < pg_last_wal_receive_lsn()").fetchone()
+            fork_lsn = str(fork_lsn)
+            if short:
+                self._event(f"node{new}: replayed up to {replayed} of {fork_lsn} received"
+                            " (the rest: a record whose tail never came)")
             at_fork = on_fork(conn) if on_fork else None
             if self.synchronous:
                 # Without a standby of its own yet, the new primary must not wait for one.
