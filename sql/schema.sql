@@ -20,8 +20,8 @@ CREATE FUNCTION public.agent_worker_wait_can_ring() RETURNS boolean
     SET search_path TO '$user', 'public'
     AS $$
 SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
-    OR pg_has_role(current_user, session_user, 'MEMBER')
-    OR (pg_has_role(current_user, 'pg_signal_backend', 'MEMBER')
+    OR pg_has_role(current_user, session_user, 'USAGE')
+    OR (pg_has_role(current_user, 'pg_signal_backend', 'USAGE')
         AND NOT (SELECT rolsuper FROM pg_roles WHERE rolname = session_user))
 $$;
 

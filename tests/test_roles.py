@@ -10,6 +10,7 @@ PostgreSQL or CloudNativePG.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 
 import psycopg
@@ -20,7 +21,7 @@ from psycopg.rows import dict_row
 
 from jobrunner.model.validation import TaskSpec
 from jobrunner.queue.client import Queue
-from jobrunner.store import roles
+from jobrunner.store import roles, worker_waits
 from jobrunner.store.migrate import MigrationDenied, migrate
 from jobrunner.store.privileges import UnsafeBinding
 from jobrunner.store.sqlfiles import migrations, sql_dir
@@ -648,3 +649,63 @@ def test_every_attack_of_issue_29_from_a_tenants_worker_fails_and_its_tasks_succ
         assert row["result"]["who"] == [conninfo_to_dict(tenant_a)["user"], False, False]
         assert row["result"]["own_rows"] == 2
     assert witness() == before
+
+
+# -- the doorbell's one SECURITY DEFINER function (migration 0031) -----------------------
+
+def test_a_ring_cancels_a_worker_sleep_only_where_the_owner_may_signal_it(install):
+    """With the component roles of `jobrunner db roles`, the owner may not cancel a
+    worker's statements: can_ring says so (its notifier then LISTENs, as before) and a
+    ring cancels nothing. Once a superuser grants the owner pg_signal_backend, it may,
+    and a ring cancels the worker's sleep (as the operator's enqueue would)."""
+    _granted(install)
+    worker_dsn = _login(install, "worker")
+    operator_dsn = _login(install, "operator")
+    owner = f"{install.prefix}_owner"
+
+    def ring_while_asleep() -> bool:
+        """Whether the operator's ring of a sleeping worker session ended its sleep."""
+        sleeper = psycopg.connect(worker_dsn, autocommit=True, row_factory=dict_row)
+        try:
+            pid = sleeper.info.backend_pid
+            sleeper.execute("INSERT INTO agent_worker_wait (wait_id, batch_id, pid) "
+                            "VALUES (5, 'd', %s)", (pid,))
+            result: dict = {}
+
+            def sleep() -> None:
+                try:
+                    result["gone"] = worker_waits.sleep(sleeper, [5], 3.0)
+                except psycopg.errors.QueryCanceled:
+                    result["rung"] = True
+
+            thread = threading.Thread(target=sleep, daemon=True)
+            thread.start()
+            with psycopg.connect(install.admin_dsn, row_factory=dict_row) as admin:
+                wait_for(lambda: admin.execute(
+                    "SELECT count(*) AS n FROM pg_stat_activity WHERE pid = %s AND "
+                    "wait_event = 'PgSleep'", (pid,)).fetchone()["n"] == 1, timeout=5,
+                    what="the worker's sleep")
+            with psycopg.connect(operator_dsn, row_factory=dict_row) as op:
+                assert worker_waits.wake(op, 1, batch_id="d") == 1
+                thread.join(2.0)
+                woken = not thread.is_alive()
+                op.rollback()
+            thread.join(5)
+            return woken and result.get("rung", False)
+        finally:
+            sleeper.execute("DELETE FROM agent_worker_wait WHERE wait_id = 5")
+            sleeper.close()
+
+    with psycopg.connect(worker_dsn, row_factory=dict_row) as conn:
+        assert worker_waits.can_ring(conn) is False
+    assert ring_while_asleep() is False  # (it slept its 3 s out)
+    with psycopg.connect(install.admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("GRANT pg_signal_backend TO {}").format(sql.Identifier(owner)))
+    try:
+        with psycopg.connect(worker_dsn, row_factory=dict_row) as conn:
+            assert worker_waits.can_ring(conn) is True
+        assert ring_while_asleep() is True
+    finally:
+        with psycopg.connect(install.admin_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("REVOKE pg_signal_backend FROM {}").format(
+                sql.Identifier(owner)))

@@ -26,16 +26,25 @@ Guarantees:
   into one (an enqueue of 100k tasks is one note), and a note only sets a subscription's
   wake-up event, so many notes before the claim loop runs are one wake-up.
 - An enqueue wakes few: a waiting worker's look writes its row (agent_worker_wait, its
-  subscription's `wait_id`) once the notifier LISTENs on its own channel
-  (jobrunner_wake_ID), and an enqueue of n tasks takes up to n + 1 of its batch's (or
-  pool's) rows, most recently seen first, and sends each a note on its channel: only
-  they claim, and no other worker's client even receives a note (PostgreSQL 18 still
-  signals every listening backend, which reads the note and passes nothing on). So an
-  enqueue costs the server a claim per task, not one per waiting pod. With nobody
-  waiting, or more than worker_waits.MOST wanted, the note goes to every listener as
-  before. A worker busy at the time (no row) finds the work with its own polls; a busy
-  pool worker sees tasks laid before its scan position within FULL_SCAN_EVERY (1 s). A
-  retry's backup look goes the same way to two waiting workers (task_retry_notify).
+  subscription's `wait_id`, and this session's pid) once the notifier LISTENs on its own
+  channel (jobrunner_wake_ID), and an enqueue of n tasks takes up to n + 1 of its batch's
+  (or pool's) rows, most recently seen first, and rings each (worker_waits.wake): only
+  they claim. A retry's backup look goes the same way to two waiting workers
+  (task_retry_notify). With nobody waiting, or more than worker_waits.MOST wanted, or
+  work that no enqueue announced (expired leases, requeues, a resumed limit), every
+  worker of the batch or pool is woken (worker_waits.everyone). A worker busy at the time
+  (no row) finds the work with its own polls; a busy pool worker sees tasks laid before
+  its scan position within FULL_SCAN_EVERY (1 s).
+- Asleep, not LISTENing: while every subscription of the process has its row, the
+  notifier's session UNLISTENs and sleeps in a statement (worker_waits.sleep), and a
+  ring cancels that statement (migration 0031). PostgreSQL 18 signals every LISTENing
+  backend of the database on each notifying commit, whatever the channel: 1,000 waiting
+  pods were 1,000 backends woken per enqueue, the named one's claim queued behind them.
+  A sleeping session is signalled only by a ring naming it, and the protocol's locks
+  make the woken worker wait for the ringing transaction's commit and lose no ring that
+  comes between two statements. A cancelled leadership try reconnects (whether it took
+  the lock is unknown). Where the functions' owner may not cancel the session's
+  statements (worker_waits.can_ring), it LISTENs as before.
 
 Behind PgBouncer in transaction pooling mode, LISTEN and session advisory locks do not
 work: the notifier then needs a direct DSN (`--listen-dsn`, JOBRUNNER_LISTEN_DATABASE_URL),

@@ -69,12 +69,13 @@ $$;
 
 -- Whether a ring can reach the calling session (a notifier deciding to sleep rather than
 -- LISTEN): the functions' owner may cancel its statements (a superuser; a member of the
--- session's role; or of pg_signal_backend, which cannot signal a superuser's session).
+-- session's role; or of pg_signal_backend, which cannot signal a superuser's session;
+-- 'USAGE': with the role's privileges, as pg_cancel_backend checks them).
 CREATE FUNCTION agent_worker_wait_can_ring() RETURNS boolean
 LANGUAGE sql STABLE SECURITY DEFINER SET search_path FROM CURRENT AS $$
 SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
-    OR pg_has_role(current_user, session_user, 'MEMBER')
-    OR (pg_has_role(current_user, 'pg_signal_backend', 'MEMBER')
+    OR pg_has_role(current_user, session_user, 'USAGE')
+    OR (pg_has_role(current_user, 'pg_signal_backend', 'USAGE')
         AND NOT (SELECT rolsuper FROM pg_roles WHERE rolname = session_user))
 $$;
 
