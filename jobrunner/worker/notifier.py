@@ -335,6 +335,8 @@ class Notifier:
                 elif not asleep and not listening:
                     session.listen_all(conn)
                     listening = True
+                    self._sync_channels(conn)
+                    self._taken_meanwhile(conn)
                 if listening:
                     self._sync_channels(conn)
             except psycopg.errors.QueryCanceled:
@@ -435,6 +437,19 @@ class Notifier:
                 # (rung and its row kept: a retry's backup, task_retry_notify; it looks a
                 # little later, and the look says when the retry is due)
                 sub.backup(now)
+
+    def _taken_meanwhile(self, conn: psycopg.Connection) -> None:
+        """Back to LISTENing: the rows taken between the sleep's end and the LISTENs (a
+        ring then went to a channel nobody listened on) are found, as a sleep finds them."""
+        session_no = self.stats["connects"]
+        with self._lock:
+            subs = [s for s in self._subs if s.row_session == session_no]
+        if subs:
+            gone = worker_waits.sleep(conn, [sub.wait_id for sub in subs], 0.0)
+            now = time.monotonic()
+            for sub in subs:
+                if sub.wait_id in gone and sub.row_session is not None:
+                    sub.taken(now)
 
     def _interrupt(self) -> None:
         """Cut the notifier's sleep short (a new subscription, close)."""
