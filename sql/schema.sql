@@ -63,33 +63,33 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION public.agent_worker_wait_sleep(p_ids bigint[], p_seconds double precision) RETURNS bigint[]
+CREATE FUNCTION public.agent_worker_wait_sleep(p_ids bigint[], p_seconds double precision, p_lead boolean, OUT gone bigint[], OUT leader boolean) RETURNS record
     LANGUAGE plpgsql
     AS $$
 DECLARE
-    gone bigint[];
     i bigint;
 BEGIN
-    -- Wait for the ringers still in their transaction, without keeping RUNG: a block
-    -- rolled back gives back the locks it took. One key at a time, so that it never
-    -- holds one while it waits for another (a ringer of several rows holds some).
+    gone := '{}';
+    leader := p_lead AND pg_try_advisory_lock(jobrunner_leader_key());
     FOREACH i IN ARRAY p_ids LOOP
+        -- Wait for the ringers still in their transaction, without keeping RUNG: a block
+        -- rolled back gives back the locks it took (and it never holds one RUNG while it
+        -- waits for another: a ringer of several rows holds some).
         BEGIN
             PERFORM pg_advisory_xact_lock(1246970230, jobrunner_wait_key(i));
             RAISE SQLSTATE 'JRW01';
         EXCEPTION WHEN SQLSTATE 'JRW01' THEN
             NULL;
         END;
+        PERFORM pg_advisory_xact_lock_shared(1246970231, jobrunner_wait_key(i));
+        PERFORM 1 FROM agent_worker_wait w WHERE w.wait_id = i;
+        IF NOT FOUND THEN
+            gone := gone || i;
+        END IF;
     END LOOP;
-    PERFORM pg_advisory_xact_lock_shared(1246970231, jobrunner_wait_key(x))
-    FROM unnest(p_ids) x;
-    SELECT array_agg(x) INTO gone FROM unnest(p_ids) x
-    WHERE NOT EXISTS (SELECT 1 FROM agent_worker_wait w WHERE w.wait_id = x);
-    IF gone IS NOT NULL OR p_seconds <= 0 THEN
-        RETURN coalesce(gone, '{}');
+    IF cardinality(gone) = 0 AND p_seconds > 0 THEN
+        PERFORM pg_sleep(p_seconds);
     END IF;
-    PERFORM pg_sleep(p_seconds);
-    RETURN '{}';
 END
 $$;
 
@@ -113,6 +113,10 @@ CREATE FUNCTION public.jobrunner_batch_settled(p_batch_id text, p_on_dead text) 
             OR NOT EXISTS (SELECT 1 FROM agent_work_queue q
                            WHERE q.batch_id = p_batch_id AND q.status = 'dead'))
 $$;
+
+CREATE FUNCTION public.jobrunner_leader_key() RETURNS bigint
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$ SELECT hashtext('jobrunner-maintenance-leader')::bigint $$;
 
 CREATE FUNCTION public.jobrunner_limit_admit(p_ids bigint[]) RETURNS SETOF public.jobrunner_admission
     LANGUAGE plpgsql

@@ -674,7 +674,7 @@ def test_a_ring_cancels_a_worker_sleep_only_where_the_owner_may_signal_it(instal
 
             def sleep() -> None:
                 try:
-                    result["gone"] = worker_waits.sleep(sleeper, [5], 3.0)
+                    result["gone"], _ = worker_waits.sleep(sleeper, [5], 3.0)
                 except psycopg.errors.QueryCanceled:
                     result["rung"] = True
 

@@ -564,7 +564,8 @@ def _sleeper(dsn: str, wait_id: int, seconds: float) -> tuple[psycopg.Connection
         rung = False
         while True:
             try:
-                out["gone"] = worker_waits.sleep(sleeper, [wait_id], 0.0 if rung else seconds)
+                out["gone"], _ = worker_waits.sleep(sleeper, [wait_id],
+                                                 0.0 if rung else seconds)
                 out["at"] = time.monotonic()
                 return
             except psycopg.errors.QueryCanceled:

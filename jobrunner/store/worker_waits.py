@@ -72,13 +72,16 @@ def everyone(conn: psycopg.Connection, *, batch_ids: Sequence[str] = (),
                    ).fetchone()["woken"])
 
 
-def sleep(conn: psycopg.Connection, wait_ids: list[int], seconds: float) -> set[int]:
+def sleep(conn: psycopg.Connection, wait_ids: list[int], seconds: float, *,
+          lead: bool = False) -> tuple[set[int], bool]:
     """A notifier's sleep (autocommit) on its waiting workers' rows: the ids of those an
     enqueue took, at once if any already were (after the enqueue's commit), else when
     one rings (the statement is cancelled: psycopg.errors.QueryCanceled, and the next
-    call returns what was taken), else none after `seconds`. 0 seconds: only look."""
-    row = run(conn, SLEEP, {"ids": wait_ids, "seconds": seconds}).fetchone()
-    return set(row["gone"] or ())
+    call returns what was taken), else none after `seconds`. 0 seconds: only look. With
+    `lead`, the maintenance leadership is tried first, in the same round trip (as
+    session.leader_try): the second value says whether the session holds it."""
+    row = run(conn, SLEEP, {"ids": wait_ids, "seconds": seconds, "lead": lead}).fetchone()
+    return set(row["gone"] or ()), bool(row["leader"])
 
 
 def can_ring(conn: psycopg.Connection) -> bool:

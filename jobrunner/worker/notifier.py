@@ -342,15 +342,20 @@ class Notifier:
             except psycopg.errors.QueryCanceled:
                 continue  # (a ring that came just after a sleep ended: nothing is lost)
             now = time.monotonic()
-            if self.elect and not self._leader and now >= self._next_try:
-                self._try_lead(conn, now)
+            candidate = self.elect and not self._leader
             if asleep:
-                # Until the next leadership try (a candidate), or half a minute: nothing
-                # else in this session needs a statement meanwhile; a ring, a new
-                # subscription or close() cancels the sleep sooner.
-                until = 30.0 if self._leader or not self.elect else self._next_try - now
-                self._sleep(conn, asleep, max(0.05, min(30.0, until)))
+                # Its leadership try (a candidate whose turn it is) in the sleep's own
+                # round trip; then until the next one, or half a minute: nothing else in
+                # this session needs a statement meanwhile; a ring, a new subscription or
+                # close() cancels the sleep sooner.
+                lead = candidate and now >= self._next_try
+                if lead:
+                    self._next_try = now + random.uniform(*self.lead_retry)
+                until = self._next_try - now if candidate else 30.0
+                self._sleep(conn, asleep, max(0.05, min(30.0, until)), lead=lead)
                 continue
+            if candidate and now >= self._next_try:
+                self._try_lead(conn, now)
             wait = 1.0 if self._leader or not self.elect else max(
                 0.0, min(1.0, self._next_try - time.monotonic()))
             if time.monotonic() - self._subscribed_at < 2.0:
@@ -375,12 +380,15 @@ class Notifier:
             # (a late ring: whether the session took the lock is unknown, and a lock held
             # unknowingly would stop every process's maintenance; a new session has none)
             raise db.DatabaseUnavailable("the leadership try was cancelled") from None
-        if led:
+        self._led(led)
+        self._next_try = now + random.uniform(*self.lead_retry)
+
+    def _led(self, led: bool) -> None:
+        if led and not self._leader:
             with self._lock:
                 self._leader = True
             self.stats["elected"] += 1
             log.info("notifier: this process is the maintenance leader")
-        self._next_try = now + random.uniform(*self.lead_retry)
 
     # -- asleep on the waiting workers' rows ----------------------------------------------
     @staticmethod
@@ -401,10 +409,12 @@ class Notifier:
         return subs
 
     def _sleep(self, conn: psycopg.Connection, subs: list[Subscription],
-               seconds: float) -> None:
+               seconds: float, *, lead: bool = False) -> None:
         """Sleep in worker_waits.sleep: no listener, so no other commit's notes signal this
         backend; an enqueue that takes a row cancels the statement (its ring), and the
-        next call, at once, says which (migration 0031)."""
+        next call, at once, says which (migration 0031). With `lead`, the leadership try
+        rides along; a cancelled call is repeated (0 s) to learn whether it took the
+        lock, which it would otherwise hold unknowingly."""
         ids = [sub.wait_id for sub in subs]
         rung = False
         while True:
@@ -412,19 +422,23 @@ class Notifier:
                 with self._lock:
                     look_again, self._look_again = self._look_again, False
                     self._asleep, self._interrupted = True, False
-                if not rung and (look_again or self._closed.is_set()):
+                if not (rung or lead) and (look_again or self._closed.is_set()):
                     return
-                gone = worker_waits.sleep(conn, ids, 0.0 if rung else seconds)
+                quick = rung or look_again or self._closed.is_set()
+                gone, led = worker_waits.sleep(conn, ids, 0.0 if quick else seconds,
+                                               lead=lead)
                 break
             except psycopg.errors.QueryCanceled:
                 with self._lock:
                     interrupted = self._interrupted
-                if interrupted:
+                if interrupted and not lead:
                     return  # (from here: the loop looks again)
-                rung = True  # (the next call waits for the ringer's commit)
+                rung = rung or not interrupted  # (the next call waits for the ringer)
             finally:
                 with self._lock:
                     self._asleep = False
+        if lead:
+            self._led(led)
         if not rung and not gone:
             return
         self.stats["rings"] += 1
@@ -445,7 +459,7 @@ class Notifier:
         with self._lock:
             subs = [s for s in self._subs if s.row_session == session_no]
         if subs:
-            gone = worker_waits.sleep(conn, [sub.wait_id for sub in subs], 0.0)
+            gone, _ = worker_waits.sleep(conn, [sub.wait_id for sub in subs], 0.0)
             now = time.monotonic()
             for sub in subs:
                 if sub.wait_id in gone and sub.row_session is not None:

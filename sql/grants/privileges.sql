@@ -38,7 +38,8 @@ REVOKE ALL ON FUNCTION
     jobrunner_task_key_insert(),
     jobrunner_task_key_truncate(),
     jobrunner_wait_key(bigint),
-    agent_worker_wait_sleep(bigint[], double precision),
+    agent_worker_wait_sleep(bigint[], double precision, boolean),
+    jobrunner_leader_key(),
     agent_worker_wait_can_ring(),
     agent_worker_wait_ring(bigint[], integer[], text)
 FROM {operator}, {worker}, {api}, {readonly};
@@ -63,7 +64,8 @@ REVOKE EXECUTE ON FUNCTION
     jobrunner_task_key_insert(),
     jobrunner_task_key_truncate(),
     jobrunner_wait_key(bigint),
-    agent_worker_wait_sleep(bigint[], double precision),
+    agent_worker_wait_sleep(bigint[], double precision, boolean),
+    jobrunner_leader_key(),
     agent_worker_wait_can_ring(),
     agent_worker_wait_ring(bigint[], integer[], text)
 FROM PUBLIC;
@@ -98,7 +100,8 @@ GRANT EXECUTE ON FUNCTION
     jobrunner_pool_stride(text, text, integer),
     jobrunner_shard_take(text, text),
     jobrunner_wait_key(bigint),
-    agent_worker_wait_sleep(bigint[], double precision),
+    agent_worker_wait_sleep(bigint[], double precision, boolean),
+    jobrunner_leader_key(),
     agent_worker_wait_can_ring(),
     agent_worker_wait_ring(bigint[], integer[], text)
 TO {worker};

@@ -73,8 +73,9 @@ UNLISTEN *;
 -- One session per database holds it: the maintenance leader, which sweeps expired leases
 -- and enqueues due reduce steps for every batch (jobrunner/worker/notifier.py). It is
 -- held until the session ends, so a leader killed with kill -9 loses it the moment its
--- socket closes. The key is a constant of jobrunner's own (hashtext of a fixed name).
-SELECT pg_try_advisory_lock(hashtext('jobrunner-maintenance-leader')::bigint) AS leader;
+-- socket closes. The key is a constant of jobrunner's own (jobrunner_leader_key: a
+-- sleeping notifier tries it in agent_worker_wait_sleep).
+SELECT pg_try_advisory_lock(jobrunner_leader_key()) AS leader;
 
 -- name: session_leader_resign
 -- Tell the other candidates that the leader is leaving, so one takes over at once.

@@ -91,8 +91,10 @@ SELECT (SELECT n FROM noted) AS noted,
 
 -- name: worker_wait_sleep
 -- A notifier's sleep on its waiting workers' rows (agent_worker_wait_sleep): the ids of
--- those taken, at once or when rung; none after `seconds`.
-SELECT agent_worker_wait_sleep(%(ids)s::bigint[], %(seconds)s::float8) AS gone;
+-- those taken, at once or when rung; none after `seconds`. With `lead`, the leadership
+-- try first: `leader`.
+SELECT s.gone, s.leader
+FROM agent_worker_wait_sleep(%(ids)s::bigint[], %(seconds)s::float8, %(lead)s) s;
 
 -- name: worker_wait_can_ring
 -- Whether a ring can cancel this session's sleep (else its notifier LISTENs, as before).
