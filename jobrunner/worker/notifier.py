@@ -345,14 +345,17 @@ class Notifier:
             candidate = self.elect and not self._leader
             if asleep:
                 # Its leadership try (a candidate whose turn it is) in the sleep's own
-                # round trip; then until the next one, or half a minute: nothing else in
-                # this session needs a statement meanwhile; a ring, a new subscription or
-                # close() cancels the sleep sooner.
+                # round trip; then until the next one (the leader as long): nothing else
+                # in this session needs a statement meanwhile; a ring, a new subscription
+                # or close() cancels the sleep sooner. Not longer: a sleeping statement
+                # holds a snapshot, and with it the database's xmin horizon (what vacuum
+                # and pruning may remove), for as long as it sleeps.
                 lead = candidate and now >= self._next_try
                 if lead:
                     self._next_try = now + random.uniform(*self.lead_retry)
-                until = self._next_try - now if candidate else 30.0
-                self._sleep(conn, asleep, max(0.05, min(30.0, until)), lead=lead)
+                until = (self._next_try - now if candidate
+                         else random.uniform(*self.lead_retry))
+                self._sleep(conn, asleep, max(0.05, until), lead=lead)
                 continue
             if candidate and now >= self._next_try:
                 self._try_lead(conn, now)
