@@ -87,7 +87,8 @@ BEGIN
             gone := gone || i;
         END IF;
     END LOOP;
-    IF cardinality(gone) = 0 AND p_seconds > 0 THEN
+    -- (a try that won returns at once: the new leader's maintenance waits for it)
+    IF cardinality(gone) = 0 AND p_seconds > 0 AND NOT leader THEN
         PERFORM pg_sleep(p_seconds);
     END IF;
 END

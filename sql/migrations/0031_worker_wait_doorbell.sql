@@ -41,9 +41,9 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT hashtext('jobrunner-maintenanc
 
 -- The sleeping statement of a notifier: `gone`, the ids of those of `p_ids` whose rows are
 -- gone (taken by an enqueue: the worker is wanted), at once if any already are, else
--- none after `p_seconds` or when a ringer cancels it. With `p_lead`, first the
--- leadership try (session_leader_try's, in the same round trip: a waiting pod's only
--- other statement); `leader` says whether the session holds the lock (a try repeated
+-- none after `p_seconds` (at once if its leadership try won) or when a ringer cancels
+-- it. With `p_lead`, first the leadership try (session_leader_try's, in the same round
+-- trip: a waiting pod's only other statement); `leader` says whether the session holds the lock (a try repeated
 -- after a cancel says it again: the lock is re-entrant). SECURITY INVOKER: it reads the
 -- rows under the caller's own privileges and row policy. Per id, plain statements whose
 -- plans plpgsql keeps: a query over unnest(p_ids) was planned on every call and cost
@@ -73,7 +73,8 @@ BEGIN
             gone := gone || i;
         END IF;
     END LOOP;
-    IF cardinality(gone) = 0 AND p_seconds > 0 THEN
+    -- (a try that won returns at once: the new leader's maintenance waits for it)
+    IF cardinality(gone) = 0 AND p_seconds > 0 AND NOT leader THEN
         PERFORM pg_sleep(p_seconds);
     END IF;
 END
