@@ -220,9 +220,13 @@ def test_429_pauses_the_limit_for_every_worker_without_burning_attempts(
         " extract(epoch FROM blocked_until)::float8 AS until FROM block_log ORDER BY at")]
     lag = max(r["s"] - r["c"] for r in rows)
     answers = sorted(r["r"] for r in rows if r["r"] is not None)
-    assert len(answers) == 3 and len(blocks) == 3 and lag < 0.5, (answers, blocks, lag)
-    # each block follows its handler's 429 (the worker writes it once the handler returns)
-    delays = [at - answer for (at, _), answer in zip(blocks, answers, strict=True)]
+    # Three 429s, and a block written for each, except that the 5th and 6th calls (4
+    # workers) can be answered in the same instant: the later of the two writes then sets
+    # no later blocked_until (greatest(), as it should: one pause), and the trigger logs
+    # changes only, so two 429s may show as one block (a CI run: 429s 2 ms apart).
+    assert len(answers) == 3 and 2 <= len(blocks) <= 3 and lag < 0.5, (answers, blocks, lag)
+    # each block follows a handler's 429 (the worker writes it once the handler returns)
+    delays = [at - max(a for a in answers if a <= at) for at, _ in blocks]
     assert all(0 <= d < 1.0 for d in delays), delays
     for at, until in blocks:
         assert 0.9 < until - at <= 1.0, (at, until)  # now() + Retry-After 1 s, now() <= at
