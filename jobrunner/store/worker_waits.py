@@ -21,8 +21,8 @@ EVERYONE = Statement("worker_wait_everyone")
 # One waiting worker more than the new tasks: a row may be a dead worker's (it sinks
 # below the live ones within a fallback poll, but until then it takes a wake-up).
 SPARE = 1
-# Past this many, one note to every listener costs less than a note per named worker
-# (each its own channel and signal), and most of a fleet is wanted anyway: everyone.
+# Past this many, most of a fleet is wanted anyway: everyone is woken (a note to every
+# listener and a ring to every waiting row, worker_wait_everyone), not a list of names.
 MOST = 100
 
 
@@ -48,10 +48,10 @@ def leave(session: Session, wait_id: int) -> None:
 def wake(conn: psycopg.Connection, count: int, *, batch_id: str | None = None,
          pool: str | None = None) -> int:
     """In an enqueue's transaction: wake the waiting workers of a batch or a pool for
-    `count` new tasks. Up to count + SPARE of them are told, each on its own channel
-    (channel()), and only they claim; with nobody waiting, or more than MOST wanted,
-    every listener of the batch or pool is woken (jobrunner_queue, jobrunner_pool), as
-    before. Returns how many were named (0: everyone was woken)."""
+    `count` new tasks. Up to count + SPARE of them are rung (their notifier's sleep
+    cancelled, or a note on their own channel, channel(), if it LISTENs), and only they
+    claim; with nobody waiting, or more than MOST wanted, everyone of the batch or pool
+    is woken (everyone()). Returns how many were named (0: everyone was woken)."""
     want = count + SPARE
     woken = 0
     if want <= MOST:
